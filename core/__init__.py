@@ -1,0 +1,1 @@
+"""The EngineCore process: scheduler, KV cache manager, executor (pure Python, no torch)."""

@@ -1,0 +1,122 @@
+"""EngineConfig: the resolved settings every process shares. Built once from the user's arguments
+(and the model's config.json, read through transformers), then sent to the EngineCore and workers
+as msgpack."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    # model
+    model: str
+    tokenizer: str
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    load_format: str = "auto"  # dummy: random weights from config.json alone
+    seed: int = 0
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int] = []
+    # KV cache
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: the worker sizes the cache itself
+    # scheduler
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # parallelism
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        load_format: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        tensor_parallel_size: int = 1,
+    ) -> "EngineConfig":
+        """Validate the user's arguments and fill in what the model's config decides."""
+        if not os.path.isdir(model):
+            raise ValueError(f"model must be a directory holding config.json, got {model!r}.")
+        _check_choice("dtype", dtype, DTYPES)
+        _check_choice("device", device, DEVICES)
+        _check_choice("load_format", load_format, LOAD_FORMATS)
+        _check_at_least("block_size", block_size, 1)
+        _check_at_least("max_num_batched_tokens", max_num_batched_tokens, 1)
+        _check_at_least("max_num_seqs", max_num_seqs, 1)
+        _check_at_least("tensor_parallel_size", tensor_parallel_size, 1)
+        if num_gpu_blocks is not None:
+            _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
+
+        from transformers import AutoConfig  # lazy: only the process that builds configs pays
+
+        hf_config = AutoConfig.from_pretrained(model)
+        derived_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        if max_model_len is None:
+            if derived_len <= 0:
+                raise ValueError("the model's config has no max_position_embeddings; pass max_model_len.")
+            max_model_len = derived_len
+        _check_at_least("max_model_len", max_model_len, 1)
+        if derived_len and max_model_len > derived_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's maximum length "
+                f"({derived_len}); use a value in [1, {derived_len}]."
+            )
+        return cls(
+            model=os.path.abspath(model),
+            tokenizer=os.path.abspath(tokenizer or model),
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            seed=seed,
+            max_model_len=max_model_len,
+            vocab_size=int(hf_config.vocab_size),
+            eos_token_ids=_eos_token_ids(model, hf_config),
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+
+
+def _eos_token_ids(model: str, hf_config) -> list[int]:
+    """EOS ids from config.json and generation_config.json (Llama 3 lists several)."""
+    from transformers import GenerationConfig
+
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    for value in sources:
+        for token_id in value if isinstance(value, list) else [value]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}.")
+
+
+def _check_at_least(name: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")

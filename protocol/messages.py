@@ -1,0 +1,161 @@
+"""Every message that crosses a socket, as msgspec Structs (msgpack on the wire, never pickle).
+
+Two conversations:
+  frontend <-> EngineCore : EngineCoreRequest / AbortRequests / UtilityCall / Shutdown in,
+                            EngineCoreOutputs out.
+  EngineCore <-> workers  : SchedulerOutput / WorkerCall / Shutdown in,
+                            ModelRunnerOutput / WorkerReply out.
+Messages of one direction form a tagged union, so one Decoder reads them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- frontend -> EngineCore
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
+    """A tokenized, validated request. The engine sees token ids only."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    # The model's end-of-sequence ids; the scheduler stops on them unless ignore_eos.
+    eos_token_ids: list[int] = []
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """Call EngineCore.<method>(*args); the answer comes back as a UtilityResult."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Stop the process that receives it (the EngineCore, or a worker)."""
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+
+# ---------------------------------------------------------------- EngineCore -> frontend
+
+FINISH_STOP = "stop"  # EOS or a stop token
+FINISH_LENGTH = "length"  # max_tokens or the model's maximum length
+FINISH_ABORT = "abort"
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # FINISH_* once the request is done
+    stop_reason: int | None = None  # the stop token id that ended it, if one did
+
+
+class UtilityResult(msgspec.Struct, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    utility_result: UtilityResult | None = None
+    # Set when the engine can no longer serve: the reason, for EngineDeadError.
+    engine_dead: str | None = None
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """What a frontend needs to know about the engine it attached to."""
+
+    model: str
+    tokenizer: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_gpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    engine_pid: int
+    worker_pids: list[int]
+
+
+# ---------------------------------------------------------------- EngineCore -> workers
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request the worker has not seen (or lost when it was preempted): sent in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; empty for a fresh request.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """A request the worker already holds: only what changed since its last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
+    """One step's work. Each scheduled request runs tokens
+    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens[req_id]) of its known tokens;
+    it samples a new token only when that range reaches the end of its known tokens.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker should forget: finished or aborted since the last step.
+    finished_req_ids: list[str]
+    # Requests pushed back to waiting; they come back later as NewRequestData.
+    preempted_req_ids: list[str] = []
+
+
+class WorkerCall(msgspec.Struct, tag="call"):
+    """Call Worker.<method>(*args) on every worker; each answers with a WorkerReply."""
+
+    method: str
+    args: list[Any] = []
+
+
+EngineToWorker = SchedulerOutput | WorkerCall | Shutdown
+
+# ---------------------------------------------------------------- workers -> EngineCore
+
+
+class ModelRunnerOutput(msgspec.Struct, tag="output"):
+    """The token sampled for each request whose scheduled tokens reached its end."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+
+
+class WorkerReply(msgspec.Struct, tag="reply", omit_defaults=True):
+    rank: int
+    method: str
+    result: Any = None
+    error: str | None = None  # a traceback when the call (or a model step) failed
+
+
+WorkerToEngine = ModelRunnerOutput | WorkerReply

@@ -1,0 +1,1 @@
+"""Llama-family model code and weight loading."""
