@@ -1,0 +1,275 @@
+"""The EngineCore process: the scheduler's busy loop between frontends and workers.
+
+    frontends --ROUTER socket--> input thread --queue--> busy loop --queue--> output thread
+                                  (decode)               schedule()           (encode)
+                                                         executor.execute_model()
+                                                         update_from_output()
+
+The busy loop never touches a socket: the input thread owns the ROUTER socket (ZMQ sockets are
+single-threaded) and decodes what arrives; the output thread encodes replies and hands the bytes to
+the input thread through an in-process socket. So (de)serialization overlaps the model step.
+Several frontends may be attached at once; each request's outputs go back to the frontend that
+sent it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import threading
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from core.executor import Executor, WorkerDiedError
+from core.scheduler import Scheduler
+from protocol.config import EngineConfig
+from protocol.ipc import remove_ipc_file
+from protocol.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FINISH_ABORT,
+    EngineInfo,
+    ModelRunnerOutput,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from protocol.serial import encode, engine_input_decoder
+
+logger = logging.getLogger(__name__)
+
+_OUTBOX = "inproc://engine-core-outbox"
+_IDLE_WAIT_S = 1.0  # how often an idle engine checks its workers are alive
+
+
+class EngineCore:
+    """Scheduler + executor, one step at a time. No sockets: EngineCoreProc adds those."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = Executor(config)
+        try:
+            if config.num_gpu_blocks is not None:
+                num_gpu_blocks = config.num_gpu_blocks
+            else:  # every rank must hold the cache: the smallest answer wins
+                num_gpu_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+            capacity = num_gpu_blocks * config.block_size
+            if config.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} does not fit the KV cache "
+                    f"({num_gpu_blocks} blocks x {config.block_size} tokens = {capacity} tokens); "
+                    f"lower max_model_len to at most {capacity} or give more num_gpu_blocks."
+                )
+            self.executor.collective_rpc("initialize_cache", num_gpu_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_gpu_blocks = num_gpu_blocks
+        self.scheduler = Scheduler(config, num_gpu_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+            num_gpu_blocks, config.block_size, capacity, config.max_model_len,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and turn its tokens into outputs."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            model_output = self.executor.execute_model(scheduler_output)
+        else:
+            model_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def get_engine_info(self) -> EngineInfo:
+        c = self.config
+        return EngineInfo(
+            model=c.model, tokenizer=c.tokenizer, max_model_len=c.max_model_len, vocab_size=c.vocab_size,
+            eos_token_ids=c.eos_token_ids, block_size=c.block_size, num_gpu_blocks=self.num_gpu_blocks,
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            engine_pid=os.getpid(), worker_pids=self.executor.worker_pids,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class EngineCoreProc(EngineCore):
+    """An EngineCore serving frontends at a ZMQ address until told to stop."""
+
+    def __init__(self, config: EngineConfig, address: str) -> None:
+        super().__init__(config)
+        self.address = address
+        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[bytes, EngineCoreOutputs] | None] = queue.Queue()
+        self.request_owner: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
+        self.clients: set[bytes] = set()
+        self.stopping = threading.Event()
+        self.utilities: dict[str, Callable[..., Any]] = {
+            "get_engine_info": self.get_engine_info,
+            "check_health": lambda: True,
+            "get_num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
+        }
+        self.ctx = zmq.Context()
+        bound = threading.Event()
+        self.input_thread = threading.Thread(target=self._serve_socket, args=(bound,), name="input", daemon=True)
+        self.output_thread = threading.Thread(target=self._encode_outputs, name="output", daemon=True)
+        self.input_thread.start()
+        self.output_thread.start()
+        bound.wait()
+        logger.info("EngineCore serving at %s", address)
+
+    # -- the busy loop ---------------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._process_input(block=not self.scheduler.has_unfinished_requests())
+                outputs = self.step()
+                if outputs:
+                    self._send_outputs(outputs)
+        except WorkerDiedError as e:
+            logger.error("engine dead: %s", e)
+            for client in self.clients:
+                self.output_queue.put((client, EngineCoreOutputs(engine_dead=str(e))))
+            raise
+        finally:
+            self.output_queue.put(None)
+            self.output_thread.join(timeout=5)
+            self.stopping.set()
+            self.input_thread.join(timeout=5)
+            self.ctx.destroy(linger=0)
+            remove_ipc_file(self.address)
+            self.shutdown()
+
+    def _process_input(self, block: bool) -> None:
+        """Handle everything that arrived; when idle, wait (checking the workers now and then)."""
+        while True:
+            try:
+                identity, message = self.input_queue.get(block=block, timeout=_IDLE_WAIT_S if block else None)
+            except queue.Empty:
+                if not block or self.stopping.is_set():
+                    return
+                self.executor.check_alive()
+                continue
+            self._handle(identity, message)
+            block = False
+
+    def _handle(self, identity: bytes, message: Any) -> None:
+        self.clients.add(identity)
+        if isinstance(message, EngineCoreRequest):
+            self.request_owner[message.request_id] = identity
+            try:
+                self.add_request(message)
+            except Exception:  # frontends validate first; whatever slips through fails alone
+                logger.exception("rejected request %s", message.request_id)
+                self._send_outputs([EngineCoreOutput(message.request_id, [], finish_reason=FINISH_ABORT)])
+        elif isinstance(message, AbortRequests):
+            outputs = self.abort_requests(message.request_ids)
+            if outputs:
+                self._send_outputs(outputs)
+        elif isinstance(message, UtilityCall):
+            self.output_queue.put((identity, EngineCoreOutputs(utility_result=self._call_utility(message))))
+        elif isinstance(message, Shutdown):
+            logger.info("shutdown requested")
+            self.stopping.set()
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        fn = self.utilities.get(call.method)
+        if fn is None:
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}; "
+                                 f"allowed: {', '.join(self.utilities)}")
+        try:
+            return UtilityResult(call.call_id, result=fn(*call.args))
+        except Exception as e:  # a bad utility call must not take the engine down
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        by_client: dict[bytes, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            owner = self.request_owner.get(out.request_id)
+            if out.finish_reason is not None:
+                self.request_owner.pop(out.request_id, None)
+            if owner is not None:
+                by_client.setdefault(owner, []).append(out)
+        for owner, outs in by_client.items():
+            self.output_queue.put((owner, EngineCoreOutputs(outputs=outs)))
+
+    # -- the I/O threads -------------------------------------------------------------------------
+
+    def _serve_socket(self, bound: threading.Event) -> None:
+        """Own the ROUTER socket: decode what frontends send, forward what the output thread encoded."""
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 1000)
+        router.bind(self.address)
+        outbox = self.ctx.socket(zmq.PULL)
+        outbox.bind(_OUTBOX)
+        bound.set()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(outbox, zmq.POLLIN)
+        while not self.stopping.is_set() or outbox.poll(0):
+            events = dict(poller.poll(100))
+            if router in events:
+                identity, payload = router.recv_multipart()
+                try:
+                    self.input_queue.put((identity, engine_input_decoder.decode(payload)))
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    logger.warning("dropped a malformed message from a frontend: %s", e)
+            if outbox in events:
+                router.send_multipart(outbox.recv_multipart())
+        router.close()
+        outbox.close()
+
+    def _encode_outputs(self) -> None:
+        outbox = self.ctx.socket(zmq.PUSH)
+        outbox.connect(_OUTBOX)
+        while (item := self.output_queue.get()) is not None:
+            identity, outputs = item
+            outbox.send_multipart([identity, encode(outputs)])
+        outbox.close(linger=1000)
+
+
+def run_engine_core(config: EngineConfig, address: str) -> None:
+    """Start an EngineCore at `address` and serve until Shutdown, SIGTERM or SIGINT."""
+    engine = EngineCoreProc(config, address)
+
+    def stop(signum: int, _frame: Any) -> None:
+        logger.info("received signal %d, shutting down", signum)
+        engine.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    engine.run_busy_loop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="minivllm EngineCore process (started by a frontend)")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--address", required=True, help="ZMQ address to serve frontends at")
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+                        format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s")
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    try:
+        run_engine_core(config, args.address)
+    except WorkerDiedError:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The executor: starts one worker process per GPU and talks to them over ZMQ.
+
+Each worker gets its own PUSH socket for work (a SchedulerOutput is sent to every worker), and all
+workers answer on one shared PULL socket. Only rank 0 returns sampled tokens. While waiting for an
+answer the executor checks every second that its workers are still alive, so a dead worker becomes
+a WorkerDiedError within about a second instead of a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from typing import Any
+
+import msgspec
+import zmq
+
+from protocol.config import EngineConfig
+from protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
+from protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
+from protocol.serial import encode, worker_output_decoder
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 1000
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or reported a failure; the engine cannot go on."""
+
+
+class Executor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.world_size = config.tensor_parallel_size
+        self.ctx = zmq.Context()
+        self.result_address = new_ipc_address("worker-results")
+        self.result_socket = self.ctx.socket(zmq.PULL)
+        self.result_socket.bind(self.result_address)
+        self.work_addresses = [new_ipc_address(f"worker{rank}-in") for rank in range(self.world_size)]
+        self.work_sockets = []
+        for address in self.work_addresses:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.bind(address)
+            self.work_sockets.append(sock)
+
+        config_json = msgspec.json.encode(config).decode()
+        self.procs: list[subprocess.Popen] = [
+            spawn_child(
+                "worker.worker",
+                ["--config", config_json, "--rank", str(rank),
+                 "--work-address", self.work_addresses[rank], "--result-address", self.result_address],
+            )
+            for rank in range(self.world_size)
+        ]
+        # Each worker says "ready" once its model is loaded (or reports why it could not).
+        self._gather_replies("ready")
+        logger.info("%d worker(s) ready (pids %s)", self.world_size, self.worker_pids)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call Worker.<method>(*args) on every worker; return their results by rank."""
+        payload = encode(WorkerCall(method, list(args)))
+        for sock in self.work_sockets:
+            sock.send(payload)
+        return self._gather_replies(method)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        payload = encode(scheduler_output)
+        for sock in self.work_sockets:
+            sock.send(payload)
+        message = self._receive()
+        if not isinstance(message, ModelRunnerOutput):
+            raise WorkerDiedError(f"expected a model output from rank 0, got {type(message).__name__}")
+        return message
+
+    def _gather_replies(self, method: str) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        for _ in range(self.world_size):
+            reply = self._receive()
+            if not isinstance(reply, WorkerReply) or reply.method != method:
+                raise WorkerDiedError(f"unexpected message from a worker while waiting for {method!r}: {reply!r}")
+            results[reply.rank] = reply.result
+        return results
+
+    def _receive(self) -> ModelRunnerOutput | WorkerReply:
+        while not self.result_socket.poll(POLL_MS):
+            self.check_alive()
+        message = worker_output_decoder.decode(self.result_socket.recv())
+        if isinstance(message, WorkerReply) and message.error is not None:
+            raise WorkerDiedError(f"worker {message.rank} failed in {message.method}:\n{message.error}")
+        return message
+
+    def check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None:
+                raise WorkerDiedError(f"worker {rank} (pid {proc.pid}) exited unexpectedly with code {code}")
+
+    def shutdown(self) -> None:
+        payload = encode(Shutdown())
+        for sock, proc in zip(self.work_sockets, self.procs):
+            if proc.poll() is None:
+                try:
+                    sock.send(payload, flags=zmq.NOBLOCK)
+                except zmq.Again:  # the worker never connected; stop_child ends it
+                    pass
+        for proc in self.procs:
+            stop_child(proc)
+        self.ctx.destroy(linger=0)
+        for address in [self.result_address, *self.work_addresses]:
+            remove_ipc_file(address)

@@ -1,0 +1,112 @@
+"""The `minivllm` command: `generate` prompts, or run an `engine` others attach to."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5570"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments that build an EngineConfig (shared by `generate` and `engine`)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    g.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (prompts longer than what is left are chunked)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV cache blocks (default: sized from the device's memory)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights from config.json alone (for benchmarks)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's random numbers")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="number of worker processes (GPUs)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        tokenizer=args.tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+        load_format=args.load_format, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from frontend.llm import LLM
+    from protocol.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+    )
+    if args.engine_address is None and args.model is None:
+        raise ValueError("give --model DIR (or --engine-address ADDRESS of a running `minivllm engine`).")
+    kwargs = {} if args.engine_address else engine_kwargs(args)
+    with LLM(args.model, engine_address=args.engine_address, **kwargs) as llm:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for i, out in enumerate(outputs):
+        if i:
+            print()
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from core.engine_core import run_engine_core
+    from protocol.config import EngineConfig
+
+    if args.model is None:
+        raise ValueError("give --model DIR.")
+    config = EngineConfig.create(args.model, **engine_kwargs(args))
+    run_engine_core(config, args.address)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description="A small LLM inference engine built like vLLM V1.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts and print the completions",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompts", nargs="+", help="prompt text(s); each completion is printed, blank-line separated")
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument("--engine-address", default=None,
+                     help="attach to a running `minivllm engine` at this address instead of starting one")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    eng = sub.add_parser("engine", help="run an EngineCore (and its workers) that frontends attach to",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    eng.add_argument("--address", default=DEFAULT_ENGINE_ADDRESS,
+                     help="ZMQ address to serve at (tcp://HOST:PORT or ipc://PATH); loopback unless you choose otherwise")
+    add_engine_args(eng)
+    eng.set_defaults(func=cmd_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "WARNING"),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "engine" and "MINIVLLM_LOG_LEVEL" not in os.environ:
+        logging.getLogger().setLevel(logging.INFO)
+    try:
+        sys.exit(args.func(args))
+    except ValueError as e:  # bad input: say what was wrong, no traceback
+        print(f"minivllm: error: {e}", file=sys.stderr)
+        sys.exit(2)

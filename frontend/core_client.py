@@ -1,0 +1,196 @@
+"""The frontend's line to the EngineCore: a ZMQ DEALER socket, msgpack messages.
+
+The client either spawns an EngineCore process (at a fresh ipc:// address) or attaches to one
+started with `minivllm engine` (any address). A dead engine turns into EngineDeadError:
+  - the spawned process exited,
+  - the engine said so (a worker died), or
+  - the connection dropped (ZMQ heartbeats notice a silent peer within seconds).
+Request ids get a per-client prefix on the wire, so frontends sharing one engine never collide.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import subprocess
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from protocol.config import EngineConfig
+from protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
+from protocol.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from protocol.serial import encode, engine_output_decoder
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 500
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore (or one of its workers) is gone; this engine can serve no more requests."""
+
+
+class EngineCoreClient:
+    def __init__(self, address: str, proc: subprocess.Popen | None = None) -> None:
+        self.address = address
+        self.proc = proc  # set when this client spawned the engine (and so owns it)
+        self.dead_reason: str | None = None
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # ZMTP heartbeats: a peer that stops answering is dropped, which the monitor reports.
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.connected = False
+        self.socket.connect(address)
+        self.prefix = uuid.uuid4().hex[:8] + "-"
+        self.call_ids = itertools.count()
+        self.utility_results: dict[int, UtilityResult] = {}
+        self.pending_outputs: list[EngineCoreOutput] = []
+        self.live_request_ids: set[str] = set()
+        self.engine_info: EngineInfo | None = None
+
+    # -- starting -------------------------------------------------------------------------------
+
+    @classmethod
+    def spawn(cls, config: EngineConfig) -> "EngineCoreClient":
+        """Start an EngineCore process for `config` and wait until it serves."""
+        address = new_ipc_address("engine")
+        proc = spawn_child("core.engine_core", ["--config", msgspec.json.encode(config).decode(), "--address", address])
+        client = cls(address, proc)
+        try:  # loading a model takes as long as it takes; a crash is noticed through proc.poll()
+            client.engine_info = client.call_utility("get_engine_info", type=EngineInfo)
+        except EngineDeadError as e:
+            client.shutdown()
+            raise RuntimeError(f"the EngineCore failed to start ({e}); its log above says why") from None
+        return client
+
+    @classmethod
+    def attach(cls, address: str, timeout: float = 60.0) -> "EngineCoreClient":
+        """Connect to an EngineCore started elsewhere (`minivllm engine --address ...`)."""
+        client = cls(address)
+        try:
+            client.engine_info = client.call_utility("get_engine_info", type=EngineInfo, timeout=timeout)
+        except TimeoutError:
+            client.shutdown()
+            raise ConnectionError(f"no minivllm engine answered at {address} within {timeout:.0f} s") from None
+        return client
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        self.live_request_ids.add(request.request_id)
+        self._send(msgspec.structs.replace(request, request_id=self.prefix + request.request_id))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        ids = [i for i in request_ids if i in self.live_request_ids]
+        if ids and self.dead_reason is None:
+            self._send(AbortRequests([self.prefix + i for i in ids]))
+
+    def get_outputs(self, timeout: float | None = None) -> list[EngineCoreOutput]:
+        """The outputs that arrived; waits up to `timeout` seconds (None: until some arrive)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.pending_outputs:
+            if not self._receive(deadline):
+                break
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
+    def call_utility(self, method: str, *args: Any, type: Any = Any, timeout: float | None = None) -> Any:
+        """Run EngineCore.<method>(*args) in the engine's busy loop and return its result."""
+        self._check_alive()
+        call_id = next(self.call_ids)
+        self._send(UtilityCall(call_id, method, list(args)))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while call_id not in self.utility_results:
+            if not self._receive(deadline):
+                raise TimeoutError(f"the engine did not answer {method!r} within {timeout} s")
+        result = self.utility_results.pop(call_id)
+        if result.error is not None:
+            raise RuntimeError(f"engine utility {method!r} failed: {result.error}")
+        return msgspec.convert(result.result, type)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        self.socket.send(encode(message), copy=False)
+
+    def _receive(self, deadline: float | None) -> bool:
+        """Wait for one message (until `deadline`); False on time-out. Raises EngineDeadError."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            self._check_alive()
+            wait_ms = POLL_MS if deadline is None else min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
+            events = dict(poller.poll(wait_ms))
+            if self.monitor in events:
+                self._on_monitor_event(recv_monitor_message(self.monitor)["event"])
+            if self.socket in events:
+                self._on_message(engine_output_decoder.decode(self.socket.recv()))
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def _on_message(self, message) -> None:
+        if message.engine_dead is not None:
+            self._mark_dead(f"the engine failed: {message.engine_dead}")
+        if message.utility_result is not None:
+            self.utility_results[message.utility_result.call_id] = message.utility_result
+        for out in message.outputs:
+            out.request_id = out.request_id[len(self.prefix):]
+            if out.finish_reason is not None:
+                self.live_request_ids.discard(out.request_id)
+            self.pending_outputs.append(out)
+
+    def _on_monitor_event(self, event: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is None and self.proc is not None and self.proc.poll() is not None:
+            self._mark_dead(f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}")
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("engine dead: %s", reason)
+        raise EngineDeadError(reason)
+
+    def shutdown(self) -> None:
+        """Stop a spawned engine; for an attached one, abort this client's requests and detach."""
+        if self.ctx.closed:
+            return
+        try:
+            if self.dead_reason is None:
+                if self.proc is not None:
+                    self._send(Shutdown())
+                elif self.live_request_ids:
+                    self.abort_requests(list(self.live_request_ids))  # linger lets it leave
+        finally:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.socket.close(linger=1000)
+            self.ctx.term()
+            if self.proc is not None:
+                stop_child(self.proc, timeout=10.0)
+                remove_ipc_file(self.address)

@@ -1,0 +1,70 @@
+"""Turn a user's prompt into a validated EngineCoreRequest (token ids only) — or a ValueError.
+
+Every check happens here, in the user's process, so a bad request never reaches the engine and
+the engine keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from protocol.messages import EngineCoreRequest, EngineInfo
+from protocol.sampling_params import SamplingParams
+
+# vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}.
+PromptType = Union[str, dict[str, Any]]
+
+
+class InputProcessor:
+    def __init__(self, engine_info: EngineInfo, tokenizer: Any | None) -> None:
+        self.info = engine_info
+        self.tokenizer = tokenizer
+
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the request and the prompt's text (None when given as token ids)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=time.time(),
+            eos_token_ids=list(self.info.eos_token_ids),
+        )
+        return request, prompt_text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
+                    raise ValueError("prompt_token_ids must be a list of ints.")
+                return prompt.get("prompt"), list(token_ids)
+            if "prompt" not in prompt:
+                raise ValueError("a dict prompt needs a 'prompt' (text) or 'prompt_token_ids' key.")
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this LLM was made with skip_tokenizer_init=True: give prompts as "
+                             "{'prompt_token_ids': [...]}.")
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one character.")
+        return prompt, list(self.tokenizer(prompt).input_ids)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        info = self.info
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token.")
+        if len(token_ids) > info.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len="
+                             f"{info.max_model_len}; shorten it to at most {info.max_model_len} tokens.")
+        for name, ids in (("prompt token", token_ids), ("stop_token_ids entry", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} {bad} is outside the vocabulary; ids must be in [0, {info.vocab_size}).")

@@ -1,0 +1,127 @@
+"""LLM: the embedded, offline API (vLLM's `LLM`). It runs in the user's process and drives an
+EngineCore process — one it spawns, or one it attaches to by address."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from frontend.core_client import EngineCoreClient
+from frontend.input_processor import InputProcessor, PromptType
+from frontend.output_processor import OutputProcessor
+from frontend.outputs import RequestOutput
+from protocol.config import EngineConfig
+from protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """A language model ready to generate.
+
+    model: a Hugging Face model directory (config.json + *.safetensors + tokenizer files).
+    engine_address: attach to an engine started with `minivllm engine` instead of spawning one;
+    the engine's own settings then apply and the other engine arguments here are ignored.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        max_model_len: int | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        seed: int = 0,
+        skip_tokenizer_init: bool = False,
+        load_format: str = "auto",
+        tensor_parallel_size: int = 1,
+        engine_address: str | None = None,
+    ) -> None:
+        if engine_address is not None:
+            self.client = EngineCoreClient.attach(engine_address)
+        else:
+            if model is None:
+                raise ValueError("model is required: a Hugging Face model directory.")
+            config = EngineConfig.create(
+                model, tokenizer=tokenizer, dtype=dtype, device=device, load_format=load_format,
+                seed=seed, max_model_len=max_model_len, block_size=block_size,
+                num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
+            )
+            self.client = EngineCoreClient.spawn(config)
+        # Stop the engine when this object is collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        self.engine_info = self.client.engine_info
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.engine_info.tokenizer)
+        self.input_processor = InputProcessor(self.engine_info, self.tokenizer)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for all prompts; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
+                                 "give one, or one per prompt.")
+        # Validate everything before anything reaches the engine.
+        requests = [
+            self.input_processor.process(str(next(self.request_counter)), prompt, params)
+            for prompt, params in zip(prompts, params_list)
+        ]
+        return self._run(requests, use_tqdm)
+
+    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        output_processor = OutputProcessor(self.tokenizer)
+        order = {request.request_id: i for i, (request, _) in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        try:
+            for request, prompt_text in requests:
+                output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids)
+                self.client.add_request(request)
+            with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while output_processor.has_unfinished_requests():
+                    for finished in output_processor.process_outputs(self.client.get_outputs()):
+                        results[order[finished.request_id]] = finished
+                        bar.update(1)
+        except BaseException:  # Ctrl-C or a dead engine: leave nothing running behind us
+            self.client.abort_requests(list(output_processor.requests))
+            raise
+        return results  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        """Stop the engine this LLM spawned (or detach from an attached one)."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,84 @@
+"""Turn the engine's token ids into RequestOutputs: detokenize incrementally, track finishing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from frontend.outputs import CompletionOutput, RequestOutput
+from protocol.messages import EngineCoreOutput
+
+# How many prompt tokens to decode along with the first output tokens, so that tokenizers that
+# drop a leading space on the first token of a string (SentencePiece) get the spacing right.
+_PREFIX_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    """Decode one token at a time without re-decoding everything, and without ever emitting a
+    half multi-byte character: text is held back while it ends in U+FFFD (an incomplete byte
+    sequence), until the next token completes it."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_token_ids[-_PREFIX_CONTEXT:])
+        self.prefix_offset = 0  # start of the window decoded for context
+        self.read_offset = len(self.token_ids)  # tokens before this are already in the text
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        """Returns the new text those tokens complete (possibly empty)."""
+        self.token_ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full_text = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], tokenizer: Any | None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self.completion = CompletionOutput(index=0, text="", token_ids=[])
+
+    def update(self, out: EngineCoreOutput) -> None:
+        self.completion.token_ids.extend(out.new_token_ids)
+        if self.detokenizer is not None and out.new_token_ids:
+            self.completion.text += self.detokenizer.add_tokens(out.new_token_ids)
+        self.completion.finish_reason = out.finish_reason
+        self.completion.stop_reason = out.stop_reason
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self.completion],
+            finished=self.completion.finished(),
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, self.tokenizer)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Apply the engine's outputs; return the RequestOutputs that finished with them."""
+        finished = []
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:  # aborted here already
+                continue
+            state.update(out)
+            if out.finish_reason is not None:
+                finished.append(self.requests.pop(out.request_id).to_output())
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)

@@ -1,0 +1,96 @@
+"""The worker process: one per GPU. It owns the device, the model and the KV cache.
+
+Loop: receive a message from the EngineCore, act, answer. A SchedulerOutput runs one model step
+(only rank 0 answers with the sampled tokens); a WorkerCall runs one of the few methods listed in
+Worker.CALLABLE; Shutdown ends the loop. Any failure is reported with its traceback, then the
+process exits, so the EngineCore can turn it into a clear error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from protocol.config import EngineConfig
+from protocol.messages import SchedulerOutput, Shutdown, WorkerCall, WorkerReply
+from protocol.serial import encode, worker_input_decoder
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    CALLABLE = ("determine_num_blocks", "initialize_cache")
+
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        from worker.model_runner import ModelRunner  # imports torch: after the sockets are up
+
+        self.rank = rank
+        self.model_runner = ModelRunner(config, rank)
+
+    def determine_num_blocks(self) -> int:
+        return self.model_runner.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_cache(num_blocks)
+
+    def call(self, method: str, args: list[Any]) -> Any:
+        if method not in self.CALLABLE:
+            raise ValueError(f"unknown worker method {method!r}; allowed: {', '.join(self.CALLABLE)}")
+        return getattr(self, method)(*args)
+
+
+def run_worker(config: EngineConfig, rank: int, work_address: str, result_address: str) -> int:
+    ctx = zmq.Context()
+    work_socket = ctx.socket(zmq.PULL)
+    work_socket.connect(work_address)
+    result_socket = ctx.socket(zmq.PUSH)
+    result_socket.connect(result_address)
+
+    def reply(method: str, result: Any = None, error: str | None = None) -> None:
+        result_socket.send(encode(WorkerReply(rank, method, result, error)))
+
+    method = "ready"
+    try:
+        worker = Worker(config, rank)
+        reply("ready", os.getpid())
+        while True:
+            message = worker_input_decoder.decode(work_socket.recv())
+            if isinstance(message, SchedulerOutput):
+                method = "execute_model"
+                output = worker.model_runner.execute_model(message)
+                if rank == 0:
+                    result_socket.send(encode(output))
+            elif isinstance(message, WorkerCall):
+                method = message.method
+                reply(method, worker.call(method, message.args))
+            elif isinstance(message, Shutdown):
+                return 0
+    except Exception:
+        logger.exception("worker %d failed in %s", rank, method)
+        reply(method, error=traceback.format_exc())
+        return 1
+    finally:
+        ctx.destroy(linger=1000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="minivllm worker process (started by the EngineCore)")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--work-address", required=True)
+    parser.add_argument("--result-address", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+                        format=f"%(levelname)s %(asctime)s [worker{args.rank}] %(name)s: %(message)s")
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    raise SystemExit(run_worker(config, args.rank, args.work_address, args.result_address))
+
+
+if __name__ == "__main__":
+    main()
