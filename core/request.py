@@ -1,0 +1,96 @@
+"""Request: the EngineCore's view of one generation, from arrival until it finishes."""
+
+from __future__ import annotations
+
+import enum
+
+from protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
+from protocol.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    # Pushed back to waiting by recompute-preemption; scheduled like WAITING.
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: FINISH_STOP,
+    RequestStatus.FINISHED_LENGTH: FINISH_LENGTH,
+    RequestStatus.FINISHED_ABORTED: FINISH_ABORT,
+}
+
+
+class Request:
+    """Token ids known so far (prompt + output) and how many of them have KV in the cache.
+
+    There are no prefill/decode phases: `num_computed_tokens` simply catches up with
+    `num_tokens`, a chunk at a time while the prompt is long, one token a step after that.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        eos_token_ids: list[int] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.arrival_time = arrival_time
+        self.status = RequestStatus.WAITING
+        # Tokens whose KV is in the cache (or will be once the step scheduled for them runs).
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        # The stop token id that finished the request, if one did.
+        self.stop_reason: int | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            arrival_time=request.arrival_time,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The protocol's FINISH_* string once finished, else None."""
+        return _FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_computed_tokens={self.num_computed_tokens}, num_tokens={self.num_tokens})"
+        )
