@@ -126,7 +126,9 @@ class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Requests the worker should forget: finished or aborted since the last step.
+    # Requests the worker should forget: finished or aborted since the last step. The worker drops
+    # these (and preempted_req_ids) before adding scheduled_new_reqs, since a resumed request can
+    # appear in both; ids it never saw (aborted while waiting) are ignored.
     finished_req_ids: list[str]
     # Requests pushed back to waiting; they come back later as NewRequestData.
     preempted_req_ids: list[str] = []

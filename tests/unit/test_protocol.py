@@ -1,0 +1,124 @@
+"""protocol/: messages survive the wire; bad settings are ValueErrors naming the allowed range."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from protocol.config import EngineConfig
+from protocol.messages import (
+    AbortRequests,
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    Shutdown,
+    UtilityCall,
+    WorkerCall,
+    WorkerReply,
+)
+from protocol.sampling_params import SamplingParams
+from protocol.serial import (
+    encode,
+    engine_input_decoder,
+    engine_output_decoder,
+    worker_input_decoder,
+    worker_output_decoder,
+)
+
+
+def test_protocol_imports_no_torch() -> None:
+    code = "import protocol.messages, protocol.serial, protocol.config, protocol.ipc, sys; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_core_imports_no_torch() -> None:
+    code = "import core.engine_core, sys; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "message, decoder",
+    [
+        (EngineCoreRequest(request_id="a", prompt_token_ids=[1, 2], sampling_params=SamplingParams(seed=3),
+                           arrival_time=1.5, eos_token_ids=[0]), engine_input_decoder),
+        (AbortRequests(["a", "b"]), engine_input_decoder),
+        (UtilityCall(7, "get_engine_info"), engine_input_decoder),
+        (Shutdown(), engine_input_decoder),
+        (EngineCoreOutputs(outputs=[EngineCoreOutput("a", [5], "stop", 5)]), engine_output_decoder),
+        (SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(req_id="a", prompt_token_ids=[1], output_token_ids=[],
+                                               sampling_params=SamplingParams(), block_ids=[3],
+                                               num_computed_tokens=0)],
+            scheduled_cached_reqs=[CachedRequestData("b", [4], 17)],
+            num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2, finished_req_ids=["c"],
+        ), worker_input_decoder),
+        (WorkerCall("initialize_cache", [10]), worker_input_decoder),
+        (ModelRunnerOutput(["a"], [9]), worker_output_decoder),
+        (WorkerReply(0, "ready", 1234), worker_output_decoder),
+    ],
+)
+def test_messages_round_trip(message, decoder) -> None:
+    assert decoder.decode(encode(message)) == message
+
+
+def test_malformed_message_is_rejected_by_the_decoder() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        engine_input_decoder.decode(msgspec.msgpack.encode({"type": "add", "request_id": 1}))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-2), "top_k must be"),
+        (dict(max_tokens=0), "max_tokens must be >= 1"),
+        (dict(seed=-1), "seed must be in"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    ],
+)
+def test_sampling_params_validation(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_match_vllm() -> None:
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.seed) == (1.0, 1.0, 0, 16, False, None)
+
+
+def test_engine_config_reads_the_model(tiny_llama) -> None:
+    config = EngineConfig.create(tiny_llama)
+    assert (config.max_model_len, config.vocab_size, config.eos_token_ids) == (512, 512, [0])
+    assert msgspec.json.decode(msgspec.json.encode(config), type=EngineConfig) == config
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_model_len=100000), r"exceeds the model's maximum length \(512\); use a value in \[1, 512\]"),
+        (dict(block_size=0), "block_size must be an integer >= 1"),
+        (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
+        (dict(num_gpu_blocks=0), "num_gpu_blocks must be an integer >= 1"),
+        (dict(dtype="float8"), "dtype must be one of"),
+        (dict(device="tpu"), "device must be one of"),
+        (dict(load_format="pt"), "load_format must be one of"),
+    ],
+)
+def test_engine_config_validation(tiny_llama, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(tiny_llama, **kwargs)
+
+
+def test_engine_config_needs_a_model_dir(tmp_path) -> None:
+    with pytest.raises(ValueError, match="model must be a directory"):
+        EngineConfig.create(str(tmp_path / "nope"))
