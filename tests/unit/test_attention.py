@@ -1,0 +1,103 @@
+"""The reference paged attention equals plain causal attention on contiguous K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.attention.metadata import AttentionMetadata, kv_cache_shape
+from worker.attention.reference import ReferenceAttentionBackend, write_kv
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """q/k/v [seq_len, heads, dim] for one whole sequence; the output of its last num_queries tokens."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=HEAD_DIM**-0.5
+    )
+    return out.transpose(0, 1)[-num_queries:]
+
+
+def run_case(context_lens: list[int], query_lens: list[int], block_size: int, seed: int) -> None:
+    """Sequence i has context_lens[i] tokens already cached and runs query_lens[i] new ones."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 7  # some blocks nobody owns
+    # Random, non-contiguous block assignment.
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    block_ids, start = [], 0
+    for n in blocks_per_seq:
+        block_ids.append(perm[start : start + n])
+        start += n
+    max_blocks = max(blocks_per_seq) + 1  # one column of padding for everyone
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, ids in enumerate(block_ids):
+        block_tables[i, : len(ids)] = torch.tensor(ids)
+
+    def slots(i: int, positions: range) -> list[int]:
+        return [block_ids[i][p // block_size] * block_size + p % block_size for p in positions]
+
+    # NaN in every slot nobody writes (block tails, padding columns, free blocks): masked
+    # slots must never leak into the output.
+    kv_cache = torch.full(kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan"))
+
+    full_q, full_k, full_v = [], [], []
+    for i, n in enumerate(seq_lens):
+        full_q.append(torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen))
+        full_k.append(torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen))
+        full_v.append(torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen))
+        # The cached prefix is already in the cache from earlier steps.
+        if context_lens[i]:
+            prefix_slots = torch.tensor(slots(i, range(context_lens[i])))
+            write_kv(full_k[i][: context_lens[i]], full_v[i][: context_lens[i]], kv_cache, prefix_slots)
+
+    # This step's packed batch: the last query_lens[i] tokens of each sequence.
+    q = torch.cat([full_q[i][c:] for i, c in enumerate(context_lens)])
+    k = torch.cat([full_k[i][c:] for i, c in enumerate(context_lens)])
+    v = torch.cat([full_v[i][c:] for i, c in enumerate(context_lens)])
+    slot_mapping = torch.tensor([s for i, c in enumerate(context_lens) for s in slots(i, range(c, seq_lens[i]))])
+    query_start_loc = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    metadata = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    out = ReferenceAttentionBackend().forward(q, k, v, kv_cache, metadata, HEAD_DIM**-0.5)
+
+    expected = torch.cat(
+        [dense_causal_attention(full_q[i], full_k[i], full_v[i], query_lens[i]) for i in range(len(seq_lens))]
+    )
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # write_kv stored this step's K/V where slot_mapping says.
+    flat = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
+    torch.testing.assert_close(flat[0][slot_mapping], k)
+    torch.testing.assert_close(flat[1][slot_mapping], v)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_batch(block_size: int, seed: int) -> None:
+    # prefill from scratch, chunk with cached prefix, decodes, a chunk ending mid-block
+    context_lens = [0, 23, 40, 7, 0, 16]
+    query_lens = [19, 9, 1, 1, 1, 12]
+    run_case(context_lens, query_lens, block_size, seed)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_only_decodes(block_size: int) -> None:
+    run_case([3, 15, 16, 31, 64], [1, 1, 1, 1, 1], block_size, seed=2)
+
+
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+def test_single_prefill(block_size: int) -> None:
+    run_case([0], [37], block_size, seed=3)

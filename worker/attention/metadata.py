@@ -1,0 +1,65 @@
+"""What an attention backend is told about one step's batch, and the interface a backend offers.
+
+A step's tokens are packed flat: the tokens of sequence i are rows
+[query_start_loc[i], query_start_loc[i+1]) of q/k/v. A sequence with several tokens is a
+prefill chunk (it may already have a cached prefix); one with a single token is a decode.
+Both kinds share one call, so the backend never has to know which is which.
+
+KV cache layout (one tensor per layer):
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache[0] = keys, kv_cache[1] = values.
+Token slot s lives at block s // block_size, offset s % block_size, so
+kv_cache[i].view(num_blocks * block_size, num_kv_heads, head_dim)[s] is its key/value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_seqs + 1] int32: prefix sum of query lengths; sequence i owns token rows
+    # query_start_loc[i] : query_start_loc[i+1].
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: context length of each sequence INCLUDING this step's tokens.
+    seq_lens: torch.Tensor
+    # [num_seqs, max_num_blocks] int32: the physical block ids of each sequence, in order.
+    # Entries past a sequence's last block must still be valid block ids (we pad with 0);
+    # they are masked out, never trusted.
+    block_tables: torch.Tensor
+    # [num_tokens] int64: the flat cache slot each new token's K/V is written to.
+    slot_mapping: torch.Tensor
+    # Host-side maxima, so backends can size loops/grids without a device sync.
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The per-layer KV cache shape every backend agrees on (see the module docstring)."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+class AttentionBackend(Protocol):
+    """Paged attention for one layer: store this step's K/V, then attend over the cache.
+
+    query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim]
+    -> output [num_tokens, num_heads, head_dim].
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,301 @@
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+The differences between these are config switches:
+  - GQA: num_key_value_heads < num_attention_heads
+  - q/k/v bias: `attention_bias` (Llama/Qwen3 configs) or always on (Qwen2)
+  - per-head q/k RMSNorm before RoPE (Qwen3)
+  - RoPE variants (default, linear, Llama-3, YaRN...) via transformers' ROPE_INIT_FUNCTIONS
+  - tied input/output embeddings, `mlp_bias`, head_dim from config or hidden / heads
+
+The model runs on flat packed tokens (no batch dimension, no padding): a step's prefill
+chunks and decodes are concatenated, and attention metadata says which rows belong to which
+sequence. q/k/v are one `qkv_proj` and gate/up one `gate_up_proj` (fewer, larger matmuls);
+the loader slices HF's separate checkpoint tensors into them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention.metadata import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, with the statistics in fp32 (as HF does, for bit-exactness)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class MergedLinear(nn.Linear):
+    """One Linear whose output rows are several checkpoint projections stacked, e.g. q|k|v.
+
+    `shard_sizes` maps each checkpoint projection ("q", "k", "v" / "gate", "up") to its output
+    size; `load_shard` copies a checkpoint tensor into its slice of the fused weight or bias.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_slices: dict[str, slice] = {}
+        start = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_slices[shard_id] = slice(start, start + size)
+            start += size
+
+    @torch.no_grad()
+    def load_shard(self, param_name: str, shard_id: str, loaded: torch.Tensor) -> None:
+        param: torch.Tensor = getattr(self, param_name)
+        target = param[self.shard_slices[shard_id]]
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"shard {shard_id!r} of {param_name}: expected {tuple(target.shape)}, got {tuple(loaded.shape)}"
+            )
+        target.copy_(loaded)
+
+
+# ---------------------------------------------------------------- rotary position embedding
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `config.rope_parameters`; transformers 4 in `config.rope_theta`
+    plus an optional `config.rope_scaling` dict (whose type key was once called "type").
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim // 2] (fp32) and the attention scaling applied to cos/sin."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        return 1.0 / (base**exponent), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        # These rescale with the running sequence length; we use the initial frequencies.
+        logger.warning("rope_type %r is treated as static (initial frequencies only)", rope_type)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.cpu().float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q/k by position-dependent angles (RoFormer, "rotate half" / GPT-NeoX layout).
+
+    cos/sin for every position up to max_position are precomputed in fp32; a step just
+    indexes them by each token's position.
+    """
+
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = rope_inv_freq(hf_config, head_dim)
+        self.rotary_dim = 2 * inv_freq.shape[0]
+        # Computed on CPU in fp32 whatever the model's device/dtype, then moved where the model
+        # is being built (the loader builds it under a `with torch.device(...)` context).
+        positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim // 2]
+        device = torch.get_default_device()
+        self.register_buffer("cos_cache", (freqs.cos() * attention_scaling).to(device), persistent=False)
+        self.register_buffer("sin_cache", (freqs.sin() * attention_scaling).to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # [num_tokens, 1, rotary_dim // 2], broadcast over heads
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
+
+
+# ---------------------------------------------------------------- decoder layer
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        # Qwen2 always has q/k/v bias (and no o_proj bias); its config has no switch for it.
+        qkv_bias = attention_bias or hf_config.model_type == "qwen2"
+        self.qkv_proj = MergedLinear(
+            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=attention_bias)
+        # Qwen3: RMSNorm over each head's vector, before RoPE.
+        self.use_qk_norm = hf_config.model_type == "qwen3"
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, max_position)
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only silu")
+        hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.intermediate_size = intermediate
+        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, attn_backend, max_position)
+        self.mlp = LlamaMLP(hf_config)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+# ---------------------------------------------------------------- the model
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, attn_backend, max_position) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names mirror HF's (model.layers.N.self_attn..., lm_head) except for the
+    fused qkv_proj / gate_up_proj; `packed_modules` tells the loader how to fill those."""
+
+    # checkpoint projection name -> (fused module name, shard id)
+    packed_modules: dict[str, tuple[str, str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        max_position = max_position or hf_config.max_position_embeddings
+        self.model = LlamaModel(hf_config, attn_backend, max_position)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None  # logits use embed_tokens.weight
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+        first_attn = self.model.layers[0].self_attn
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = first_attn.num_kv_heads
+        self.head_dim = first_attn.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] (only the rows that sample) -> logits [n, vocab_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight)

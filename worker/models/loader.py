@@ -1,0 +1,150 @@
+"""Build the model from a HF directory and fill its weights.
+
+load_format:
+  auto / safetensors  stream every tensor of every *.safetensors file in the directory onto
+                      the model's parameters (slicing q/k/v and gate/up into the fused ones)
+  dummy               small uniform random weights, from config.json alone (benchmarks)
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from protocol.config import EngineConfig
+from worker.attention.metadata import AttentionBackend
+from worker.models.llama import LlamaForCausalLM, MergedLinear
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Checkpoint tensors that are not weights of ours (old checkpoints store RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_model(
+    config: EngineConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    attn_backend: AttentionBackend | None = None,
+) -> LlamaForCausalLM:
+    """Build the model described by config.model's config.json on `device` in `dtype`, load weights."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(config.model)
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {hf_config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(hf_config, "sliding_window", None) and hf_config.sliding_window < config.max_model_len and (
+        hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)
+    ):
+        logger.warning("sliding_window=%d is ignored: attention is full-context", hf_config.sliding_window)
+    if attn_backend is None:
+        from worker.attention.reference import ReferenceAttentionBackend
+
+        attn_backend = ReferenceAttentionBackend()
+
+    device = torch.device(device)
+    # Construct directly on the target device in the target dtype (no fp32 CPU copy first).
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_config, attn_backend, max_position=config.max_model_len)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+
+    if config.load_format == "dummy":
+        load_dummy_weights(model, seed=config.seed)
+    elif config.load_format in ("auto", "safetensors"):
+        load_safetensors_weights(model, config.model)
+    else:
+        raise ValueError(f"unknown load_format {config.load_format!r}")
+    return model.eval()
+
+
+@torch.no_grad()
+def load_safetensors_weights(model: LlamaForCausalLM, model_dir: str) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; fail on gaps."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+
+    params = dict(model.named_parameters())
+    # Every (param name, shard) we expect to be filled; fused params count once per shard.
+    missing: set[tuple[str, str | None]] = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{param_name}"
+            if isinstance(module, MergedLinear):
+                missing.update((full_name, shard) for shard in module.shard_slices)
+            else:
+                missing.add((full_name, None))
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and model.tie_word_embeddings:
+                    continue  # some tied checkpoints store a copy anyway
+                tensor = f.get_tensor(name)
+                missing.discard(_load_one(model, params, name, tensor))
+
+    if missing:
+        names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
+        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+        raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(names[:10])}{more}")
+    logger.info("loaded %d safetensors file(s) from %s", len(files), model_dir)
+
+
+def _load_one(
+    model: LlamaForCausalLM, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+) -> tuple[str, str | None]:
+    """Load checkpoint tensor `name`; return the (param, shard) key it filled."""
+    module_path, _, param_name = name.rpartition(".")
+    parent, _, proj = module_path.rpartition(".")
+    if proj in model.packed_modules:
+        fused_name, shard_id = model.packed_modules[proj]
+        fused: MergedLinear = model.get_submodule(f"{parent}.{fused_name}")
+        fused.load_shard(param_name, shard_id, tensor)
+        return f"{parent}.{fused_name}.{param_name}", shard_id
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} has no matching parameter")
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: model expects {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}")
+    param.copy_(tensor)
+    return name, None
+
+
+@torch.no_grad()
+def load_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Fill every parameter with small uniform noise (as vLLM's dummy loader), reproducibly.
+
+    Drawn in place on the parameter's device: a multi-GB model must not go through the CPU.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for _, param in sorted(model.named_parameters()):
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.uniform_(low, high, generator=generators[param.device])
+
+
+def describe(model: LlamaForCausalLM) -> dict[str, Any]:
+    """A few facts about the built model, for logs."""
+    return {
+        "layers": model.num_layers,
+        "kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "params": sum(p.numel() for p in model.parameters()),
+    }

@@ -1,0 +1,121 @@
+"""Turn one step's logits into token ids, each row with its own sampling settings.
+
+Everything is one set of batched tensor ops over the rows:
+  temperature 0 -> argmax; otherwise logits / temperature,
+  top-k then top-p (nucleus) masking, computed on one descending sort,
+  then a draw by the "exponential race": argmax(probs / E) with E ~ Exponential(1) i.i.d.
+  picks token i with probability probs[i] (it is the Gumbel-max trick in another form).
+Only the noise E is per-request: a request with a `seed` draws its row from its own
+torch.Generator, so its tokens do not depend on what else shares the batch; the rest draw
+from one shared generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [n] float32; 0 = greedy
+    top_k: torch.Tensor  # [n] int64; 0 = no cut (-1 is normalized to 0)
+    top_p: torch.Tensor  # [n] float32; 1 = no cut
+    # Per row: the request's own generator (it has a seed) or None (use the shared one).
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        temperature = [p.temperature for p in params]
+        top_k = [max(p.top_k, 0) for p in params]
+        top_p = [p.top_p for p in params]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            generators=list(generators),
+            all_greedy=all(t == 0.0 for t in temperature),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+        )
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        # Shared by every row without a seed of its own.
+        self.generator = generator
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logits [n, vocab] -> sampled token ids [n] (int64)."""
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy_tokens
+
+        is_greedy = metadata.temperature == 0.0
+        # Greedy rows get temperature 1 here; their sample is replaced by the argmax below.
+        temperature = torch.where(is_greedy, torch.ones_like(metadata.temperature), metadata.temperature)
+        logits = logits / temperature[:, None]
+        if metadata.any_top_k or metadata.any_top_p:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = torch.softmax(logits, dim=-1)
+
+        noise = self._exponential_noise(probs, metadata.generators)
+        sampled_tokens = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+    def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exponential(1) noise shaped like probs: seeded rows from their own generator."""
+        noise = torch.empty_like(probs)
+        shared_rows = [i for i, g in enumerate(generators) if g is None]
+        if len(shared_rows) == len(generators):
+            noise.exponential_(generator=self.generator)
+        else:
+            # The only per-request loop: each seeded row advances its own generator.
+            for i, generator in enumerate(generators):
+                if generator is not None:
+                    noise[i].exponential_(generator=generator)
+            if shared_rows:
+                rows = torch.tensor(shared_rows, device=probs.device)
+                shared = torch.empty((len(shared_rows), probs.shape[1]), device=probs.device)
+                noise[rows] = shared.exponential_(generator=self.generator)
+        # exponential_ can return exactly 0; keep the division finite.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k, then outside its top-p nucleus.
+
+    top_k [n] (0 = off), top_p [n] (1 = off). The nucleus is the smallest set of most likely
+    tokens whose probability (after top-k) reaches top_p; the most likely token always stays.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab_size, device=logits.device)[None, :]
+
+    k = torch.where(top_k > 0, top_k, vocab_size)
+    drop = rank >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of strictly better tokens
+    drop |= (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+
+    # Back from sorted order to vocabulary order.
+    drop_by_id = torch.empty_like(drop).scatter_(-1, sorted_ids, drop)
+    return logits.masked_fill(drop_by_id, float("-inf"))
