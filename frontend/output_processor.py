@@ -26,13 +26,24 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Returns the new text those tokens complete (possibly empty)."""
         self.token_ids.extend(new_token_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full_text = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix_text, full_text = self._decode_window()
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """At the end, whatever text was held back (a trailing incomplete character included)."""
+        prefix_text, full_text = self._decode_window()
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        """The text of the context window without, and with, the tokens not yet read."""
+        window = self.token_ids[self.prefix_offset :]
+        read = self.read_offset - self.prefix_offset
+        decode = self.tokenizer.decode
+        return decode(window[:read], skip_special_tokens=True), decode(window, skip_special_tokens=True)
 
 
 class RequestState:
@@ -45,8 +56,11 @@ class RequestState:
 
     def update(self, out: EngineCoreOutput) -> None:
         self.completion.token_ids.extend(out.new_token_ids)
-        if self.detokenizer is not None and out.new_token_ids:
-            self.completion.text += self.detokenizer.add_tokens(out.new_token_ids)
+        if self.detokenizer is not None:
+            if out.new_token_ids:
+                self.completion.text += self.detokenizer.add_tokens(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.completion.text += self.detokenizer.flush()
         self.completion.finish_reason = out.finish_reason
         self.completion.stop_reason = out.stop_reason
 
