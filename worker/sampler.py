@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.sampling_params import SamplingParams
@@ -40,17 +41,32 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
     ) -> "SamplingMetadata":
-        temperature = [p.temperature for p in params]
-        top_k = [max(p.top_k, 0) for p in params]
-        top_p = [p.top_p for p in params]
+        return cls.from_arrays(
+            np.array([p.temperature for p in params], dtype=np.float32),
+            np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
+            np.array([p.top_p for p in params], dtype=np.float32),
+            generators,
+            device,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        """From per-row arrays (the persistent batch keeps them); top_k already 0 for "off"."""
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            temperature=torch.from_numpy(temperature).to(device, non_blocking=True),
+            top_k=torch.from_numpy(top_k).to(device, non_blocking=True),
+            top_p=torch.from_numpy(top_p).to(device, non_blocking=True),
             generators=list(generators),
-            all_greedy=all(t == 0.0 for t in temperature),
-            any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
+            all_greedy=bool(np.all(temperature == 0.0)),
+            any_top_k=bool(np.any(top_k > 0)),
+            any_top_p=bool(np.any(top_p < 1.0)),
         )
 
 
