@@ -60,8 +60,7 @@ def make_batch(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 4, 8])
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_size) -> None:
+def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_size=16) -> None:
     num_kv_heads = 2
     q, k, v, cache, metadata = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim, block_size,
                                           dtype, seed=head_dim + heads_per_kv)
@@ -76,6 +75,12 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
     assert not out.isnan().any()
     error = (out.double() - expected).norm() / expected.norm()
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("block_size", [32, 7])
+@pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_other_block_sizes(cases, block_size) -> None:
+    test_kernel_equals_reference(torch.bfloat16, 128, 2, cases, block_size)
 
 
 def test_padding_rows_write_nothing_and_read_nothing() -> None:
