@@ -149,9 +149,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     )
 
 
+# Tile shapes (BLOCK_M, BLOCK_N, num_warps, num_stages): decode-only steps, steps with prefill chunks.
+DECODE_TILES = (16, 64, 4, 2)
+PREFILL_TILES = (64, 64, 4, 2)
+
+
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = query.shape
@@ -159,10 +164,11 @@ def paged_attention(
     heads_per_kv = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    decode_only = metadata.max_query_len == 1
-    block_m = max(16, triton.next_power_of_2(heads_per_kv)) if decode_only else 64
+    if tiles is None:
+        tiles = DECODE_TILES if metadata.max_query_len == 1 else PREFILL_TILES
+    block_m, block_n, num_warps, num_stages = tiles
+    block_m = max(block_m, triton.next_power_of_2(heads_per_kv))
     block_q = max(1, block_m // heads_per_kv)
-    block_n = 64 if head_dim <= 128 else 32
     num_seqs = metadata.num_seqs
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -175,7 +181,7 @@ def paged_attention(
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE_FP32=query.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
