@@ -123,7 +123,7 @@ def main() -> None:
     q = torch.randn(args.batch, attn.num_heads, attn.head_dim, device="cuda", dtype=torch.bfloat16)
     ms = cuda_time_ms(lambda: paged_attention(q, runner.kv_caches[0], metadata, attn.scale))
     kv_bytes = args.batch * (args.context + 1) * 2 * attn.num_kv_heads * attn.head_dim * 2
-    print(f"  attention kernel, one layer: {ms * 1000:.1f} us, {kv_bytes / ms / 1e9:.0f} GB/s of KV "
+    print(f"  attention kernel, one layer: {ms * 1000:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
           f"(x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
 
     # A full-budget prefill step (fresh requests, whole chunks).

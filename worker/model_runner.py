@@ -99,12 +99,11 @@ class ModelRunner:
             budget = self._profile_kv_budget()
         else:
             budget = int(float(os.environ.get(CPU_KVCACHE_ENV, DEFAULT_CPU_KVCACHE_GB)) * (1 << 30))
-        num_blocks = budget // bytes_per_block
-        if self.device.type == "cpu":
-            # More blocks than every seat filled to max_model_len can never be used; zeroing them
-            # would only slow the start.
-            blocks_per_seq = -(-self.config.max_model_len // self.block_size)
-            num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+        # More blocks than every seat filled to max_model_len are never needed at once; for a
+        # small model they would only slow the start (zeroing them, and one Python object per
+        # block in the EngineCore's block pool).
+        blocks_per_seq = -(-self.config.max_model_len // self.block_size)
+        num_blocks = min(budget // bytes_per_block, self.config.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
             raise RuntimeError(f"no room for a single KV block ({bytes_per_block} bytes; budget {budget} bytes); "
                                "raise gpu_memory_utilization or lower max_num_batched_tokens")
