@@ -103,9 +103,7 @@ def main() -> None:
         runner.input_batch.num_computed_tokens[: args.batch] -= 1
     print(f"  host prepare (incl. building the SchedulerOutput): {(time.perf_counter() - t) * 10:.3f} ms")
     if runner.graphs is not None:
-        bucket = runner.graphs.bucket_for(args.batch)
-        runner.buffers.load(step, padded_seqs=bucket)
-        print(f"  graph replay (forward, bucket {bucket}): {cuda_time_ms(lambda: runner.graphs.graphs[bucket].replay()):.2f} ms")
+        print(f"  graph replay (forward): {cuda_time_ms(lambda: runner.graphs.run(step)):.2f} ms")
     metadata = runner.buffers.load(step)
     model = runner.model
     hidden = torch.randn(args.batch, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -136,8 +134,10 @@ def main() -> None:
                      logits_indices=np.array([n - 1]), sampling_req_index=np.array([0]), sampling_rows=np.array([0]),
                      **metadata_args)
     pm = runner.buffers.load(pre)
-    print(f"  prefill forward, {n} tokens: "
+    print(f"  prefill forward, {n} tokens, eager: "
           f"{cuda_time_ms(lambda: runner._forward(runner.buffers.input_ids[:n], runner.buffers.positions[:n], pm), 5):.2f} ms")
+    if runner.graphs is not None:
+        print(f"  prefill forward, {n} tokens, graph: {cuda_time_ms(lambda: runner.graphs.run(pre), 5):.2f} ms")
 
     from torch.profiler import ProfilerActivity, profile
 

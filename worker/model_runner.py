@@ -22,7 +22,7 @@ import torch
 from protocol.config import EngineConfig
 from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from worker.attention.metadata import AttentionBackend, AttentionMetadata, kv_cache_shape
-from worker.cuda_graphs import DecodeGraphs, StepBuffers
+from worker.cuda_graphs import StepBuffers, StepGraphs
 from worker.input_batch import InputBatch, StepInputs
 from worker.models.loader import describe, load_model
 from worker.sampler import Sampler, SamplingMetadata
@@ -78,7 +78,7 @@ class ModelRunner:
             max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
             self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_req,
                                        self.device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
@@ -170,7 +170,7 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (K = [0], V = [1]);
-        then, on CUDA, capture the decode graphs (they bake in the cache's address)."""
+        then, on CUDA, capture the step graphs (they bake in the cache's address)."""
         shape = kv_cache_shape(num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)
@@ -178,8 +178,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and not self.config.enforce_eager:
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(self._forward, self.buffers, self.config.max_num_seqs,
-                                           self.config.max_model_len)
+                self.graphs = StepGraphs(self._forward, self.buffers, self.config.max_num_seqs,
+                                         self.config.max_num_batched_tokens, self.config.max_model_len)
 
     # ------------------------------------------------------------ one step
 
@@ -212,7 +212,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled)
 
     def _run_model(self, step: StepInputs) -> torch.Tensor:
-        """One forward pass: a captured graph for a decode-only batch, else eager."""
+        """One forward pass: a captured graph when one fits the step, else eager."""
         if self.buffers is None:  # CPU: the host arrays are the inputs
             metadata = AttentionMetadata(
                 query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)),
@@ -223,11 +223,10 @@ class ModelRunner:
                 max_seq_len=step.max_seq_len,
             )
             return self._forward(torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), metadata)
-        num_seqs = len(step.req_ids)
-        bucket = self.graphs.bucket_for(num_seqs) if self.graphs and step.max_query_len == 1 else None
-        if bucket is not None:
-            self.buffers.load(step, padded_seqs=bucket)
-            return self.graphs.run(num_seqs, bucket)
+        if self.graphs is not None:
+            hidden_states = self.graphs.run(step)
+            if hidden_states is not None:
+                return hidden_states
         metadata = self.buffers.load(step)
         num_tokens = step.num_tokens
         return self._forward(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens], metadata)

@@ -31,6 +31,7 @@ class SamplingMetadata:
     # Per row: the request's own generator (it has a seed) or None (use the shared one).
     generators: list[torch.Generator | None]
     all_greedy: bool
+    any_greedy: bool
     any_top_k: bool
     any_top_p: bool
 
@@ -65,6 +66,7 @@ class SamplingMetadata:
             top_p=torch.from_numpy(top_p).to(device, non_blocking=True),
             generators=list(generators),
             all_greedy=bool(np.all(temperature == 0.0)),
+            any_greedy=bool(np.any(temperature == 0.0)),
             any_top_k=bool(np.any(top_k > 0)),
             any_top_p=bool(np.any(top_p < 1.0)),
         )
@@ -79,9 +81,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [n, vocab] -> sampled token ids [n] (int64)."""
         logits = logits.float()
-        greedy_tokens = logits.argmax(dim=-1)
         if metadata.all_greedy:
-            return greedy_tokens
+            return logits.argmax(dim=-1)
+        greedy_tokens = logits.argmax(dim=-1) if metadata.any_greedy else None
 
         is_greedy = metadata.temperature == 0.0
         # Greedy rows get temperature 1 here; their sample is replaced by the argmax below.
@@ -92,8 +94,8 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
 
         noise = self._exponential_noise(probs, metadata.generators)
-        sampled_tokens = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+        sampled_tokens = (probs.div_(noise)).argmax(dim=-1)
+        return sampled_tokens if greedy_tokens is None else torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """Exponential(1) noise shaped like probs: seeded rows from their own generator."""
