@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import ops
 from worker.attention.metadata import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -31,18 +32,19 @@ logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, with the statistics in fp32 (as HF does, for bit-exactness)."""
+    """x / rms(x) * weight, statistics in fp32 (as HF does). Given a residual, it first adds x to
+    it and returns the sum too: the pre-norm block's "x + sublayer" fused into the next norm."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out, summed = ops.add_rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, summed)
 
 
 class MergedLinear(nn.Linear):
@@ -126,20 +128,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", (freqs.sin() * attention_scaling).to(device), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # [num_tokens, 1, rotary_dim // 2], broadcast over heads
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
+        """Rotate q [tokens, heads, head_dim] and k by their positions; with q_norm/k_norm
+        (Qwen3), normalize each head first. One kernel on CUDA."""
+        if q_norm is None:
+            return ops.norm_rope(query, key, positions, self.cos_cache, self.sin_cache)
+        return ops.norm_rope(query, key, positions, self.cos_cache, self.sin_cache,
+                             q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 # ---------------------------------------------------------------- decoder layer
@@ -184,8 +181,9 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -204,8 +202,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -222,13 +219,20 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
-        )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next norm adds
+        them. The first layer gets residual None: its input is the residual stream."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 # ---------------------------------------------------------------- the model
@@ -251,9 +255,10 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        return self.norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

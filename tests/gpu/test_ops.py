@@ -1,0 +1,59 @@
+"""The fused Triton element-wise kernels equal their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
+from worker import ops  # noqa: E402
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 1024, 3000])
+def test_add_rms_norm(dtype, hidden) -> None:
+    x = torch.randn(37, hidden, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device="cuda", dtype=dtype)
+    expected_sum = x + residual
+    expected = ops.rms_norm_reference(expected_sum, weight, 1e-6)
+    out, summed = ops.add_rms_norm(x, weight, 1e-6, residual.clone())
+    assert torch.equal(summed, expected_sum)
+    assert rel_error(out, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    out, same = ops.add_rms_norm(x, weight, 1e-6)
+    assert same is x and rel_error(out, ops.rms_norm_reference(x, weight, 1e-6)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(16, 8, 128, 128), (9, 3, 64, 64), (4, 2, 24, 16)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope(dtype, heads, kv_heads, head_dim, rotary_dim, with_norm) -> None:
+    tokens, max_pos = 29, 512
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    freqs = torch.arange(max_pos, device="cuda")[:, None] * torch.rand(rotary_dim // 2, device="cuda")[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, max_pos, (tokens,), device="cuda")
+    norms = (torch.randn(head_dim, device="cuda", dtype=dtype), torch.randn(head_dim, device="cuda", dtype=dtype))
+    norm_args = norms if with_norm else (None, None)
+    q_ref, k_ref = q.clone(), k.clone()
+    if with_norm:
+        q_ref, k_ref = ops.rms_norm_reference(q_ref, norms[0], 1e-6), ops.rms_norm_reference(k_ref, norms[1], 1e-6)
+    q_ref = ops.rope_reference(q_ref, cos[positions], sin[positions])
+    k_ref = ops.rope_reference(k_ref, cos[positions], sin[positions])
+    q_out, k_out = ops.norm_rope(q, k, positions, cos, sin, *norm_args, eps=1e-6)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_error(q_out, q_ref) < tolerance and rel_error(k_out, k_ref) < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype) -> None:
+    x = torch.randn(33, 2 * 3072, device="cuda", dtype=dtype)
+    gate, up = x.split(3072, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert rel_error(ops.silu_and_mul(x), expected) < (1e-6 if dtype == torch.float32 else 1e-2)

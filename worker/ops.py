@@ -1,0 +1,181 @@
+"""The model's element-wise steps, each one kernel on CUDA (Triton) and plain torch elsewhere.
+
+Written op by op in torch, an RMSNorm is ~7 kernels, RoPE on q and k ~20 and SiLU-and-mul 2;
+a decoder layer launches ~60 kernels, most of them reading and writing the whole activation
+again. On CUDA each op here is one kernel that reads its inputs once:
+
+  add_rms_norm     residual += x (optional), then RMSNorm(residual) * weight
+  norm_rope        per-head RMSNorm (Qwen3's q/k norm, optional) then rotary embedding, of q
+                   and k in place, one program per token
+  silu_and_mul     silu(gate) * up from the fused gate|up projection
+
+The torch versions are the reference (and the CPU path); they follow HF's order of operations
+(statistics in fp32, cast back before the weight) so CPU results stay token-exact with HF.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds have no Triton: the torch versions serve
+    triton = None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+# ---------------------------------------------------------------- torch references
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(input_dtype)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim]; cos/sin [tokens, rotary_dim // 2] (fp32). GPT-NeoX layout:
+    the first and second halves of the rotary dims form the pairs."""
+    rotary_dim = 2 * cos.shape[-1]
+    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, eps,
+                             N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+            tl.store(residual_ptr + row * stride_r + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(weight_ptr + offs, mask=mask)
+        tl.store(out_ptr + row * stride_o + offs, (xf * rstd).to(x.dtype) * w, mask=mask)
+
+    @triton.jit
+    def _norm_rope_kernel(q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr,
+                          stride_q_token, stride_k_token, eps,
+                          NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HALF_ROT: tl.constexpr, HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr,
+                          DIM_PADDED: tl.constexpr, HAS_NORM: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        half = tl.arange(0, HALF_PADDED)
+        half_mask = half < HALF_ROT
+        cos = tl.load(cos_ptr + pos * HALF_ROT + half, mask=half_mask, other=1.0)
+        sin = tl.load(sin_ptr + pos * HALF_ROT + half, mask=half_mask, other=0.0)
+        heads = tl.arange(0, HEADS_PADDED)
+        dims = tl.arange(0, DIM_PADDED)
+        for which in tl.static_range(2):
+            if which == 0:
+                base = q_ptr + token * stride_q_token
+                num_heads = NUM_Q_HEADS
+                norm_ptr = q_norm_ptr
+            else:
+                base = k_ptr + token * stride_k_token
+                num_heads = NUM_K_HEADS
+                norm_ptr = k_norm_ptr
+            head_mask = heads < num_heads
+            if HAS_NORM:  # per-head RMSNorm over the whole head_dim, before rotating
+                full = tl.load(base + heads[:, None] * HEAD_DIM + dims[None, :],
+                               mask=head_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+                ff = full.to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(ff * ff, axis=1) / HEAD_DIM + eps)
+                w = tl.load(norm_ptr + dims, mask=dims < HEAD_DIM)
+                normed = (ff * rstd[:, None]).to(full.dtype) * w[None, :]
+                tl.store(base + heads[:, None] * HEAD_DIM + dims[None, :], normed,
+                         mask=head_mask[:, None] & (dims < HEAD_DIM)[None, :])
+                tl.debug_barrier()  # the rotation below reads what was just stored
+            mask = head_mask[:, None] & half_mask[None, :]
+            first = base + heads[:, None] * HEAD_DIM + half[None, :]
+            x1 = tl.load(first, mask=mask, other=0.0)
+            x2 = tl.load(first + HALF_ROT, mask=mask, other=0.0)
+            c = cos[None, :].to(x1.dtype)
+            s = sin[None, :].to(x1.dtype)
+            tl.store(first, x1 * c - x2 * s, mask=mask)
+            tl.store(first + HALF_ROT, x2 * c + x1 * s, mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < N
+        gate = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+        tl.store(out_ptr + row * stride_o + col, silu * up, mask=mask)
+
+
+# ---------------------------------------------------------------- the ops
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (RMSNorm(x + residual) * weight, x + residual); without a residual, (norm(x), x).
+    On CUDA the sum is written into `residual` in place."""
+    if not _use_triton(x):
+        if residual is not None:
+            x = x + residual
+        return rms_norm_reference(x, weight, eps), x
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    _add_rms_norm_kernel[(x.shape[0],)](
+        x, residual if residual is not None else x, out, weight, x.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+        N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, num_warps=4 if n <= 2048 else 8,
+    )
+    return out, (residual if residual is not None else x)
+
+
+def norm_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim]: optional per-head RMSNorm,
+    then RoPE with cos/sin_cache [max_position, rotary_dim // 2] (fp32). In place on CUDA."""
+    if not _use_triton(q):
+        if q_norm is not None:
+            q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
+        cos, sin = cos_cache[positions], sin_cache[positions]
+        return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    q, k = q.contiguous(), k.contiguous()  # views into the fused qkv output are not
+    num_tokens, num_q_heads, head_dim = q.shape
+    half_rot = cos_cache.shape[-1]
+    _norm_rope_kernel[(num_tokens,)](
+        q, k, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,
+        cos_cache, sin_cache, positions, q.stride(0), k.stride(0), eps,
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HEAD_DIM=head_dim, HALF_ROT=half_rot,
+        HEADS_PADDED=triton.next_power_of_2(num_q_heads), HALF_PADDED=triton.next_power_of_2(half_rot),
+        DIM_PADDED=triton.next_power_of_2(head_dim), HAS_NORM=q_norm is not None, num_warps=4,
+    )
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, 2 * n] = gate | up -> silu(gate) * up [tokens, n]."""
+    n = x.shape[-1] // 2
+    if not _use_triton(x):
+        gate, up = x.split(n, dim=-1)
+        return F.silu(gate) * up
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
+    return out
