@@ -86,6 +86,25 @@ class StatsLogger:
         )
 
 
+class StepTimer:
+    """Where the busy loop's time goes: scheduling, waiting for the workers, turning tokens into outputs."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.schedule_s = self.execute_s = self.update_s = 0.0
+
+    def add(self, schedule_s: float, execute_s: float, update_s: float) -> None:
+        self.num_steps += 1
+        self.schedule_s += schedule_s
+        self.execute_s += execute_s
+        self.update_s += update_s
+
+    def __str__(self) -> str:
+        per_step = lambda total: 1000 * total / self.num_steps  # noqa: E731
+        return (f"{self.num_steps} steps, per step: schedule {per_step(self.schedule_s):.2f} ms, "
+                f"workers {per_step(self.execute_s):.2f} ms, update {per_step(self.update_s):.2f} ms")
+
+
 class EngineCore:
     """Scheduler + executor, one step at a time. No sockets: EngineCoreProc adds those."""
 
@@ -103,6 +122,7 @@ class EngineCore:
             raise
         self.num_gpu_blocks = num_gpu_blocks
         self.scheduler = Scheduler(config, num_gpu_blocks)
+        self.step_timer = StepTimer()
         capacity = num_gpu_blocks * config.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d; %s scheduling; prefix caching %s",
@@ -129,12 +149,17 @@ class EngineCore:
         """Schedule, run the model once, and turn its tokens into outputs."""
         if not self.scheduler.has_unfinished_requests():
             return []
+        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
         if scheduler_output.total_num_scheduled_tokens > 0:
             model_output = self.executor.execute_model(scheduler_output)
         else:
             model_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.step_timer.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return outputs
 
     def get_engine_info(self) -> EngineInfo:
         c = self.config
@@ -157,6 +182,8 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.step_timer.num_steps:
+            logger.info("%s", self.step_timer)
         self.executor.shutdown()
 
 

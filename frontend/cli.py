@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV cache blocks (default: sized from the device's memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations and the KV cache, in (0, 1]")
+    g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
@@ -44,7 +47,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tokenizer=args.tokenizer, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-        max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager, device=args.device, dtype=args.dtype,
         load_format=args.load_format, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -106,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ZMQ address to serve at (tcp://HOST:PORT or ipc://PATH); loopback unless you choose otherwise")
     add_engine_args(eng)
     eng.set_defaults(func=cmd_engine)
+
+    from frontend.bench import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
     return parser
 
 

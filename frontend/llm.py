@@ -47,6 +47,8 @@ class LLM:
         max_num_seqs: int = 256,
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
         max_model_len: int | None = None,
         device: str = "auto",
         dtype: str = "auto",
@@ -67,7 +69,8 @@ class LLM:
             config = EngineConfig.create(
                 model, tokenizer=tokenizer, dtype=dtype, device=device, load_format=load_format,
                 seed=seed, max_model_len=max_model_len, block_size=block_size,
-                num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                 long_prefill_token_threshold=long_prefill_token_threshold,

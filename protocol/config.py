@@ -31,6 +31,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # KV cache
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: the worker sizes the cache itself
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory weights + activations + KV may use
+    # execution
+    enforce_eager: bool = False  # True: no CUDA graphs
     # scheduler
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
@@ -56,6 +59,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         max_model_len: int | None = None,
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
@@ -83,6 +88,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _check_at_least("tensor_parallel_size", tensor_parallel_size, 1)
         if num_gpu_blocks is not None:
             _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
 
         from transformers import AutoConfig  # lazy: only the process that builds configs pays
 
@@ -123,6 +130,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             eos_token_ids=_eos_token_ids(model, hf_config),
             block_size=block_size,
             num_gpu_blocks=num_gpu_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size,

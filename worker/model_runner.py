@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from protocol.config import EngineConfig
 from protocol.messages import ModelRunnerOutput, SchedulerOutput
-from protocol.sampling_params import SamplingParams
-from worker.attention.metadata import AttentionMetadata, kv_cache_shape
+from worker.attention.metadata import AttentionBackend, AttentionMetadata, kv_cache_shape
+from worker.cuda_graphs import StepBuffers, StepGraphs
+from worker.input_batch import InputBatch, StepInputs
 from worker.models.loader import describe, load_model
 from worker.sampler import Sampler, SamplingMetadata
 
@@ -32,30 +32,17 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KVCACHE_ENV = "MINIVLLM_CPU_KVCACHE_GB"
 DEFAULT_CPU_KVCACHE_GB = 1.0
-GPU_MEMORY_FRACTION = 0.9
 
 
-@dataclass
-class RequestState:
-    """What the worker remembers about one running request between steps."""
+def default_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on CUDA; the pure-torch reference everywhere else."""
+    if device.type == "cuda":
+        from worker.attention.triton_attention import TritonAttentionBackend
 
-    req_id: str
-    token_ids: list[int]  # every known token: prompt + outputs so far
-    block_ids: list[int]  # all its KV blocks, in order
-    num_computed_tokens: int  # tokens whose K/V are in the cache
-    sampling_params: SamplingParams
-    generator: torch.Generator | None  # its own RNG when it has a seed
+        return TritonAttentionBackend()
+    from worker.attention.reference import ReferenceAttentionBackend
 
-
-@dataclass
-class ModelInputs:
-    """One step's packed batch, ready for the model."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling] rows of the hidden states that sample
-    sampling_req_ids: list[str]  # the requests those rows belong to, in the same order
+    return ReferenceAttentionBackend()
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
@@ -81,11 +68,17 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
 
-        self.model = load_model(config, self.device, self.dtype)
+        self.model = load_model(config, self.device, self.dtype, attn_backend=default_backend(self.device))
         logger.info("model loaded on %s (%s): %s", self.device, self.dtype, describe(self.model))
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self.requests: dict[str, RequestState] = {}
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.device)
+        self.buffers: StepBuffers | None = None
+        if self.device.type == "cuda":  # persistent inputs: graphs read them, steps copy into them
+            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_req,
+                                       self.device)
+        self.graphs: StepGraphs | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
@@ -103,33 +96,95 @@ class ModelRunner:
             return self.config.num_gpu_blocks
         bytes_per_block = self.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
-            # Crude: a share of what is free now that the weights are loaded (profiling comes later).
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free_bytes * GPU_MEMORY_FRACTION)
+            budget = self._profile_kv_budget()
         else:
             budget = int(float(os.environ.get(CPU_KVCACHE_ENV, DEFAULT_CPU_KVCACHE_GB)) * (1 << 30))
-        num_blocks = budget // bytes_per_block
-        if self.device.type == "cpu":
-            # More blocks than every seat filled to max_model_len can never be used; zeroing them
-            # would only slow the start.
-            blocks_per_seq = -(-self.config.max_model_len // self.block_size)
-            num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq)
+        # More blocks than every seat filled to max_model_len are never needed at once; for a
+        # small model they would only slow the start (zeroing them, and one Python object per
+        # block in the EngineCore's block pool).
+        blocks_per_seq = -(-self.config.max_model_len // self.block_size)
+        num_blocks = min(budget // bytes_per_block, self.config.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
-            raise RuntimeError(f"no room for a single KV block ({bytes_per_block} bytes; budget {budget} bytes)")
+            raise RuntimeError(f"no room for a single KV block ({bytes_per_block} bytes; budget {budget} bytes); "
+                               "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        tokens = num_blocks * self.block_size
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d bytes per block)", num_blocks, self.block_size, bytes_per_block
+            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB; maximum concurrency at max_model_len=%d: %.2fx",
+            num_blocks, self.block_size, tokens, num_blocks * bytes_per_block / (1 << 30),
+            self.config.max_model_len, tokens / self.config.max_model_len,
         )
         return num_blocks
 
+    @torch.inference_mode()
+    def _profile_kv_budget(self) -> int:
+        """Bytes left for the KV cache: run the largest step the scheduler can send (a full token
+        budget, max_num_seqs requests sampling) against a one-block cache, measure the peak, and
+        give gpu_memory_utilization of the card minus that peak (weights included) and minus
+        what is used outside torch's allocator (CUDA context, cuBLAS workspaces)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        shape = kv_cache_shape(1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        scratch_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        num_tokens = self.config.max_num_batched_tokens
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        query_lens[: num_tokens % num_seqs] += 1
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
+        step = StepInputs(
+            req_ids=[str(i) for i in range(num_seqs)],
+            input_ids=np.zeros(num_tokens, dtype=np.int64),
+            positions=positions,
+            slot_mapping=positions % self.block_size,  # everything in block 0: the numbers don't matter
+            query_start_loc=query_start_loc,
+            seq_lens=query_lens,
+            block_table=np.zeros((num_seqs, 1), dtype=np.int32),
+            logits_indices=query_start_loc[1:] - 1,
+            sampling_req_index=np.arange(num_seqs),
+            sampling_rows=np.arange(num_seqs),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(query_lens.max()),
+        )
+        metadata = self.buffers.load(step)
+        hidden = self.model(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens],
+                            scratch_caches, metadata)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices).to(self.device)])
+        ones = np.ones(num_seqs, dtype=np.float32)
+        self.sampler(logits, SamplingMetadata.from_arrays(
+            ones, np.full(num_seqs, 50, dtype=np.int64), ones * 0.9, [None] * num_seqs, self.device))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch_caches, hidden, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - outside_torch
+        logger.info(
+            "memory profile: card %.1f GiB, peak of a full step %.2f GiB (weights %.2f GiB), outside torch %.2f GiB,"
+            " left for the KV cache at gpu_memory_utilization=%.2f: %.2f GiB",
+            total / (1 << 30), peak / (1 << 30), torch.cuda.memory_allocated(self.device) / (1 << 30),
+            outside_torch / (1 << 30), self.config.gpu_memory_utilization, budget / (1 << 30),
+        )
+        return budget
+
     def initialize_cache(self, num_blocks: int) -> None:
-        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (K = [0], V = [1])."""
+        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (K = [0], V = [1]);
+        then, on CUDA, capture the step graphs (they bake in the cache's address)."""
         shape = kv_cache_shape(num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)
         ]
         self.num_blocks = num_blocks
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            with torch.inference_mode():
+                self.graphs = StepGraphs(self._forward, self.buffers, self.config.max_num_seqs,
+                                         self.config.max_num_batched_tokens, self.config.max_model_len)
 
     # ------------------------------------------------------------ one step
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -139,114 +194,53 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("execute_model before initialize_cache")
 
-        inputs = self._prepare_inputs(scheduler_output)
-        hidden_states = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        if not inputs.sampling_req_ids:  # only partial prefill chunks this step
+        step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
+        hidden_states = self._run_model(step)
+        if len(step.sampling_rows) == 0:  # only partial prefill chunks this step
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        states = [self.requests[req_id] for req_id in inputs.sampling_req_ids]
-        sampling_metadata = SamplingMetadata.from_params(
-            [s.sampling_params for s in states], [s.generator for s in states], self.device
+        logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden_states[logits_indices])
+        batch, rows = self.input_batch, step.sampling_rows
+        sampling_metadata = SamplingMetadata.from_arrays(
+            batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
+            [batch.generators[r] for r in rows], self.device,
         )
-        sampled = self.sampler(logits, sampling_metadata).tolist()
-        for state, token_id in zip(states, sampled):
-            state.token_ids.append(token_id)
-        return ModelRunnerOutput(req_ids=inputs.sampling_req_ids, sampled_token_ids=sampled)
+        sampled = self.sampler(logits, sampling_metadata).tolist()  # the step's one device->host sync
+        batch.append_sampled(rows, sampled)
+        sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
+        return ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled)
+
+    def _run_model(self, step: StepInputs) -> torch.Tensor:
+        """One forward pass: a captured graph when one fits the step, else eager."""
+        if self.buffers is None:  # CPU: the host arrays are the inputs
+            metadata = AttentionMetadata(
+                query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)),
+                seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)),
+                block_tables=torch.from_numpy(step.block_table),
+                slot_mapping=torch.from_numpy(step.slot_mapping),
+                max_query_len=step.max_query_len,
+                max_seq_len=step.max_seq_len,
+            )
+            return self._forward(torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), metadata)
+        if self.graphs is not None:
+            hidden_states = self.graphs.run(step)
+            if hidden_states is not None:
+                return hidden_states
+        metadata = self.buffers.load(step)
+        num_tokens = step.num_tokens
+        return self._forward(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens], metadata)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
         for req_id in scheduler_output.preempted_req_ids:
-            self.requests.pop(req_id, None)
-
+            batch.remove_request(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            seed = new.sampling_params.seed
-            generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-            self.requests[new.req_id] = RequestState(
-                req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                sampling_params=new.sampling_params,
-                generator=generator,
-            )
+            batch.add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
-        """Pack every scheduled request's tokens flat and describe the batch for attention."""
-        req_ids = [r for r, n in scheduler_output.num_scheduled_tokens.items() if n > 0]
-        states = [self.requests[req_id] for req_id in req_ids]
-        num_reqs = len(states)
-
-        query_lens = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        start_positions = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        seq_lens = start_positions + query_lens
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        if num_tokens != scheduler_output.total_num_scheduled_tokens:
-            raise ValueError(
-                f"num_scheduled_tokens sums to {num_tokens}, total_num_scheduled_tokens says "
-                f"{scheduler_output.total_num_scheduled_tokens}"
-            )
-
-        # Positions: for token t of request r, start_positions[r] + (t - query_start_loc[r]).
-        req_index = np.repeat(np.arange(num_reqs), query_lens)
-        positions = np.arange(num_tokens) - query_start_loc[req_index] + start_positions[req_index]
-
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        for i, state in enumerate(states):
-            start, end = int(start_positions[i]), int(seq_lens[i])
-            if end > len(state.token_ids):
-                raise ValueError(
-                    f"request {state.req_id}: scheduled up to token {end} but only {len(state.token_ids)} are known"
-                )
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = state.token_ids[start:end]
-
-        # Block table: only as many columns as the longest context needs; padding entries are 0
-        # (masked by the attention backend).
-        blocks_needed = -(-seq_lens // self.block_size)
-        block_table = np.zeros((num_reqs, max(int(blocks_needed.max()), 1)), dtype=np.int32)
-        for i, state in enumerate(states):
-            n = int(blocks_needed[i])
-            if len(state.block_ids) < n:
-                raise ValueError(f"request {state.req_id}: {n} blocks needed, {len(state.block_ids)} allocated")
-            block_table[i, :n] = state.block_ids[:n]
-
-        # slot = block_ids[pos // block_size] * block_size + pos % block_size
-        slot_mapping = (
-            block_table[req_index, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
-
-        # A request samples iff this step reaches the end of its known tokens.
-        num_known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
-        samples = seq_lens == num_known
-        logits_indices = query_start_loc[1:][samples] - 1
-        sampling_req_ids = [req_ids[i] for i in np.flatnonzero(samples)]
-
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-        attn_metadata = AttentionMetadata(
-            query_start_loc=to_device(query_start_loc.astype(np.int32)),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
-            block_tables=to_device(block_table),
-            slot_mapping=to_device(slot_mapping),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        # Keep state in step with the cache: these tokens' K/V are written by this forward.
-        for i, state in enumerate(states):
-            state.num_computed_tokens = int(seq_lens[i])
-        return ModelInputs(
-            input_ids=to_device(input_ids),
-            positions=to_device(positions),
-            attn_metadata=attn_metadata,
-            logits_indices=to_device(logits_indices),
-            sampling_req_ids=sampling_req_ids,
-        )
+            row = batch.row_of[cached.req_id]
+            if cached.new_block_ids:
+                batch.append_blocks(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens

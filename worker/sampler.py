@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class SamplingMetadata:
     # Per row: the request's own generator (it has a seed) or None (use the shared one).
     generators: list[torch.Generator | None]
     all_greedy: bool
+    any_greedy: bool
     any_top_k: bool
     any_top_p: bool
 
@@ -40,17 +42,33 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
     ) -> "SamplingMetadata":
-        temperature = [p.temperature for p in params]
-        top_k = [max(p.top_k, 0) for p in params]
-        top_p = [p.top_p for p in params]
+        return cls.from_arrays(
+            np.array([p.temperature for p in params], dtype=np.float32),
+            np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
+            np.array([p.top_p for p in params], dtype=np.float32),
+            generators,
+            device,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        """From per-row arrays (the persistent batch keeps them); top_k already 0 for "off"."""
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            temperature=torch.from_numpy(temperature).to(device, non_blocking=True),
+            top_k=torch.from_numpy(top_k).to(device, non_blocking=True),
+            top_p=torch.from_numpy(top_p).to(device, non_blocking=True),
             generators=list(generators),
-            all_greedy=all(t == 0.0 for t in temperature),
-            any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
+            all_greedy=bool(np.all(temperature == 0.0)),
+            any_greedy=bool(np.any(temperature == 0.0)),
+            any_top_k=bool(np.any(top_k > 0)),
+            any_top_p=bool(np.any(top_p < 1.0)),
         )
 
 
@@ -63,9 +81,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [n, vocab] -> sampled token ids [n] (int64)."""
         logits = logits.float()
-        greedy_tokens = logits.argmax(dim=-1)
         if metadata.all_greedy:
-            return greedy_tokens
+            return logits.argmax(dim=-1)
+        greedy_tokens = logits.argmax(dim=-1) if metadata.any_greedy else None
 
         is_greedy = metadata.temperature == 0.0
         # Greedy rows get temperature 1 here; their sample is replaced by the argmax below.
@@ -76,8 +94,8 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
 
         noise = self._exponential_noise(probs, metadata.generators)
-        sampled_tokens = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+        sampled_tokens = (probs.div_(noise)).argmax(dim=-1)
+        return sampled_tokens if greedy_tokens is None else torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """Exponential(1) noise shaped like probs: seeded rows from their own generator."""

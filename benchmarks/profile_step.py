@@ -1,0 +1,153 @@
+"""Where a step's time goes, on the GPU: the worker's ModelRunner driven in-process.
+
+Fills a persistent batch with N decoding requests whose contexts are already "cached" (random
+K/V), then times decode steps (CUDA graph replay + logits + sampling + the host work around it),
+the attention kernel alone, and one full-budget prefill step; finally a torch.profiler table of
+the decode step's kernels. Usage (on the device machine):
+
+    python3 benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --batch 256 --context 700
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from protocol.config import EngineConfig
+from protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from protocol.sampling_params import SamplingParams
+from worker.model_runner import ModelRunner
+
+
+def cuda_time_ms(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=700)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+
+    block_size = 16
+    blocks_per_req = -(-(args.context + args.steps + 8) // block_size)
+    num_blocks = args.batch * blocks_per_req + 64
+    config = EngineConfig.create(args.model, load_format="dummy", num_gpu_blocks=num_blocks, max_model_len=4096,
+                                 max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 enforce_eager=args.enforce_eager)
+    runner = ModelRunner(config)
+    t0 = time.perf_counter()
+    runner.initialize_cache(num_blocks)
+    print(f"initialize_cache (+ graph capture): {time.perf_counter() - t0:.1f} s")
+    for cache in runner.kv_caches:
+        cache.normal_()
+    params = SamplingParams(temperature=args.temperature, max_tokens=10_000, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    new_reqs = []
+    for i in range(args.batch):
+        prompt = rng.integers(0, 150_000, size=args.context + 1).tolist()
+        new_reqs.append(NewRequestData(req_id=str(i), prompt_token_ids=prompt, output_token_ids=[],
+                                       sampling_params=params,
+                                       block_ids=list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),
+                                       num_computed_tokens=args.context))
+    first = SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=[],
+                            num_scheduled_tokens={str(i): 1 for i in range(args.batch)},
+                            total_num_scheduled_tokens=args.batch, finished_req_ids=[])
+    runner.execute_model(first)
+    computed = [args.context + 1] * args.batch
+
+    def decode_output() -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=[CachedRequestData(str(i), [], computed[i]) for i in range(args.batch)],
+            num_scheduled_tokens={str(i): 1 for i in range(args.batch)},
+            total_num_scheduled_tokens=args.batch, finished_req_ids=[])
+
+    torch.cuda.synchronize()
+    wall = []
+    for _ in range(args.steps):
+        so = decode_output()
+        t = time.perf_counter()
+        runner.execute_model(so)
+        wall.append(time.perf_counter() - t)
+        computed = [c + 1 for c in computed]
+    step_ms = 1000 * float(np.median(wall))
+    print(f"decode step, batch {args.batch}, context ~{args.context}: execute_model {step_ms:.2f} ms "
+          f"-> {args.batch / step_ms * 1000:.0f} tok/s")
+
+    # The pieces.
+    step = runner.input_batch.prepare(decode_output().num_scheduled_tokens)
+    runner.input_batch.num_computed_tokens[:] -= 1  # undo prepare's bookkeeping
+    t = time.perf_counter()
+    for _ in range(100):
+        runner.input_batch.prepare(decode_output().num_scheduled_tokens)
+        runner.input_batch.num_computed_tokens[: args.batch] -= 1
+    print(f"  host prepare (incl. building the SchedulerOutput): {(time.perf_counter() - t) * 10:.3f} ms")
+    if runner.graphs is not None:
+        print(f"  graph replay (forward): {cuda_time_ms(lambda: runner.graphs.run(step)):.2f} ms")
+    metadata = runner.buffers.load(step)
+    model = runner.model
+    hidden = torch.randn(args.batch, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    print(f"  compute_logits: {cuda_time_ms(lambda: model.compute_logits(hidden)):.2f} ms")
+    logits = model.compute_logits(hidden)
+    rows = np.arange(args.batch)
+    from worker.sampler import SamplingMetadata
+
+    b = runner.input_batch
+    sm = SamplingMetadata.from_arrays(b.temperature[rows], b.top_k[rows], b.top_p[rows], [None] * args.batch, "cuda")
+    print(f"  sampler (temperature {args.temperature}): {cuda_time_ms(lambda: runner.sampler(logits, sm)):.2f} ms")
+    attn = model.model.layers[0].self_attn
+    from worker.attention.triton_attention import paged_attention
+
+    q = torch.randn(args.batch, attn.num_heads, attn.head_dim, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time_ms(lambda: paged_attention(q, runner.kv_caches[0], metadata, attn.scale))
+    kv_bytes = args.batch * (args.context + 1) * 2 * attn.num_kv_heads * attn.head_dim * 2
+    print(f"  attention kernel, one layer: {ms * 1000:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
+          f"(x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
+
+    # A full-budget prefill step (fresh requests, whole chunks).
+    n = args.max_num_batched_tokens
+    metadata_args = dict(query_start_loc=np.array([0, n]), seq_lens=np.array([n]), max_query_len=n, max_seq_len=n)
+    from worker.input_batch import StepInputs
+
+    pre = StepInputs(req_ids=["p"], input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n),
+                     slot_mapping=np.arange(n), block_table=np.arange(-(-n // block_size), dtype=np.int32)[None],
+                     logits_indices=np.array([n - 1]), sampling_req_index=np.array([0]), sampling_rows=np.array([0]),
+                     **metadata_args)
+    pm = runner.buffers.load(pre)
+    print(f"  prefill forward, {n} tokens, eager: "
+          f"{cuda_time_ms(lambda: runner._forward(runner.buffers.input_ids[:n], runner.buffers.positions[:n], pm), 5):.2f} ms")
+    if runner.graphs is not None:
+        print(f"  prefill forward, {n} tokens, graph: {cuda_time_ms(lambda: runner.graphs.run(pre), 5):.2f} ms")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.execute_model(decode_output())
+            computed = [c + 1 for c in computed]
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

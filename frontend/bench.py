@@ -1,0 +1,262 @@
+"""`minivllm bench throughput|latency`: the numbers we promise, measured the way `vllm bench` does.
+
+throughput: a batch of random-token prompts (lengths drawn uniformly from --input-len LO:HI),
+each generating --output-len tokens with EOS ignored, all submitted at once; reports requests/s,
+total tokens/s and output tokens/s. `--backend minivllm,hf,hf-cb` runs the same workload through
+HF transformers too: `hf` is `generate` on static, left-padded batches of --hf-batch-size, `hf-cb`
+is `generate_batch` (continuous batching with a paged cache).
+
+latency: one request at a time: time to first token (a 1-token generate) and time per output
+token ((full generate - first token) / (output_len - 1)), the median over --num-iters runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("minivllm", "hf", "hf-cb")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+@dataclass
+class ThroughputResult:
+    backend: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "requests_per_s": self.requests_per_s,
+                "total_tokens_per_s": self.total_tokens_per_s, "output_tokens_per_s": self.output_tokens_per_s}
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """"256" -> (256, 256); "100:1024" -> (100, 1024)."""
+    low, _, high = text.partition(":")
+    lo, hi = int(low), int(high or low)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"a length range must be N or LO:HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def make_workload(num_prompts: int, input_len: str, output_len: str, vocab_size: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    in_lo, in_hi = parse_range(input_len)
+    out_lo, out_hi = parse_range(output_len)
+    input_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
+    output_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in input_lens]
+    return Workload(prompts, [int(n) for n in output_lens])
+
+
+# ---------------------------------------------------------------- backends
+
+
+def run_minivllm(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
+    from frontend.cli import engine_kwargs
+    from frontend.llm import LLM
+    from protocol.sampling_params import SamplingParams
+
+    with LLM(args.model, skip_tokenizer_init=True, **engine_kwargs(args)) as llm:
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
+                  for n in workload.output_lens]
+        prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+        llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up: kernels compiled, pages touched
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=args.progress)
+        elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return ThroughputResult("minivllm", len(prompts), sum(map(len, workload.prompts)), output_tokens, elapsed)
+
+
+def _hf_model(args: argparse.Namespace, attn_implementation: str | None = None):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else getattr(torch, args.dtype)
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if args.load_format == "dummy":
+        config = AutoConfig.from_pretrained(args.model)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **extra).to(device)
+    return model.eval(), device
+
+
+def _hf_sampling(args: argparse.Namespace) -> dict:
+    if args.temperature == 0:
+        return dict(do_sample=False)
+    return dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0)
+
+
+def run_hf(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
+    """transformers `generate` on static batches, left-padded; EOS suppressed until the length."""
+    import torch
+
+    model, device = _hf_model(args)
+    pad_id = 0
+    start = time.perf_counter()
+    output_tokens = 0
+    for i in range(0, len(workload.prompts), args.hf_batch_size):
+        batch = workload.prompts[i : i + args.hf_batch_size]
+        new_tokens = max(workload.output_lens[i : i + args.hf_batch_size])
+        width = max(map(len, batch))
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.no_grad():
+            model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, pad_token_id=pad_id, **_hf_sampling(args))
+        # A static batch runs to its longest request; count only what each request asked for.
+        output_tokens += sum(workload.output_lens[i : i + args.hf_batch_size])
+    elapsed = time.perf_counter() - start
+    return ThroughputResult("hf", len(workload.prompts), sum(map(len, workload.prompts)), output_tokens, elapsed)
+
+
+def run_hf_cb(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
+    """transformers `generate_batch`: continuous batching over a paged cache (one max_new_tokens)."""
+    from transformers import GenerationConfig
+
+    if len(set(workload.output_lens)) > 1:
+        raise ValueError("hf-cb (generate_batch) takes one max_new_tokens for all requests: give a fixed --output-len")
+    model, _ = _hf_model(args, attn_implementation="paged|sdpa")
+    new_tokens = workload.output_lens[0]
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                              eos_token_id=None, **_hf_sampling(args))
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=workload.prompts, generation_config=config, progress_bar=args.progress)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return ThroughputResult("hf-cb", len(workload.prompts), sum(map(len, workload.prompts)), output_tokens, elapsed)
+
+
+RUNNERS = {"minivllm": run_minivllm, "hf": run_hf, "hf-cb": run_hf_cb}
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _vocab_size(model: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model).vocab_size)
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    backends = [b.strip() for b in args.backend.split(",")]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
+    workload = make_workload(args.num_prompts, args.input_len, args.output_len, _vocab_size(args.model), args.seed)
+    results = []
+    for backend in backends:
+        result = RUNNERS[backend](args, workload)
+        results.append(result)
+        print(f"{backend}: {result.requests_per_s:.2f} requests/s, {result.total_tokens_per_s:.1f} total tokens/s, "
+              f"{result.output_tokens_per_s:.1f} output tokens/s ({result.output_tokens} tokens in "
+              f"{result.elapsed_s:.1f} s)", flush=True)
+    if len(results) > 1:
+        base = results[0].output_tokens_per_s
+        print(f"\n{'backend':<10} {'req/s':>8} {'total tok/s':>12} {'output tok/s':>13} {'vs first':>9}")
+        for r in results:
+            print(f"{r.backend:<10} {r.requests_per_s:>8.2f} {r.total_tokens_per_s:>12.1f} "
+                  f"{r.output_tokens_per_s:>13.1f} {r.output_tokens_per_s / base:>8.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
+                                    "output_len": args.output_len, "seed": args.seed,
+                                    "temperature": args.temperature},
+                       "results": [r.as_dict() for r in results]}, f, indent=2)
+    return 0
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    from frontend.cli import engine_kwargs
+    from frontend.llm import LLM
+    from protocol.sampling_params import SamplingParams
+
+    input_len = parse_range(args.input_len)[0]
+    output_len = parse_range(args.output_len)[0]
+    if output_len < 2:
+        raise ValueError("--output-len must be >= 2 to measure time per output token")
+    prompt = {"prompt_token_ids": make_workload(1, str(input_len), "1", _vocab_size(args.model), args.seed).prompts[0]}
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ttfts, tpots = [], []
+    with LLM(args.model, skip_tokenizer_init=True, **engine_kwargs(args)) as llm:
+        llm.generate(prompt, full, use_tqdm=False)  # warm-up
+        for _ in range(args.num_iters):
+            start = time.perf_counter()
+            llm.generate(prompt, first, use_tqdm=False)
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            llm.generate(prompt, full, use_tqdm=False)
+            total = time.perf_counter() - start
+            ttfts.append(ttft)
+            tpots.append((total - ttft) / (output_len - 1))
+    ttft, tpot = statistics.median(ttfts), statistics.median(tpots)
+    print(f"batch 1, input {input_len}, output {output_len}: time to first token {ttft * 1000:.2f} ms, "
+          f"time per output token {tpot * 1000:.3f} ms ({1 / tpot:.0f} tokens/s), median of {args.num_iters}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"input_len": input_len, "output_len": output_len, "ttft_ms": ttft * 1000,
+                       "tpot_ms": tpot * 1000, "ttfts_ms": [t * 1000 for t in ttfts],
+                       "tpots_ms": [t * 1000 for t in tpots]}, f, indent=2)
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    tp = kinds.add_parser("throughput", help="offline throughput on a random-token workload",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tp.add_argument("--backend", default="minivllm",
+                    help=f"comma-separated backends to run on the same workload: {', '.join(BACKENDS)}")
+    tp.add_argument("--num-prompts", type=int, default=256)
+    tp.add_argument("--input-len", default="100:1024", help="prompt length N or range LO:HI (uniform)")
+    tp.add_argument("--output-len", default="256", help="output length N or range LO:HI (uniform); EOS ignored")
+    tp.add_argument("--temperature", type=float, default=1.0)
+    tp.add_argument("--top-p", type=float, default=1.0)
+    tp.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf backend")
+    tp.add_argument("--progress", action="store_true", help="show progress bars")
+    tp.add_argument("--json", default=None, help="save the results to this file")
+    add_engine_args(tp)
+    tp.set_defaults(func=cmd_throughput)
+
+    lat = kinds.add_parser("latency", help="batch-1 time to first token and time per output token",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    lat.add_argument("--input-len", default="128")
+    lat.add_argument("--output-len", default="128")
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--json", default=None, help="save the results to this file")
+    add_engine_args(lat)
+    lat.set_defaults(func=cmd_latency)

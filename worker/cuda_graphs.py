@@ -1,0 +1,155 @@
+"""CUDA graphs for every step: decode-only steps and steps with prefill chunks.
+
+A forward pass launches over a thousand small kernels; on a host whose CPU is slow next to its
+GPU, launching them costs far more than running them (an eager step of this model takes ~35 ms
+of CPU whatever its size). So at start-up the forward pass is captured once per bucket, reading
+its inputs from persistent device buffers, and a step copies its inputs into those buffers, pads
+them to its bucket and replays one graph:
+
+  decode buckets: n requests of one token each, n in 1, 2, 4, 8, 16, 32, ... max_num_seqs;
+  mixed buckets:  up to T tokens of up to max_num_seqs requests, T in 256, 512, ... up to
+                  max_num_batched_tokens (attention's grid depends on both counts, so both are
+                  padded: the sequence count always to max_num_seqs + 1).
+
+Padding is made harmless on the host: padded tokens have position 0 and slot -1 (nothing is
+written to the cache) and belong to sequences of length 0 (nothing is read, the output is 0).
+Decode padding gives each padded row a sequence of its own; mixed padding puts the padded tokens
+into one extra sequence and leaves the other padded sequences empty.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+from worker.input_batch import StepInputs
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    buckets += list(range(16, max_num_seqs, 16))
+    return buckets + [max_num_seqs]
+
+
+def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
+    buckets, size = [], 256
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_num_batched_tokens]
+
+
+def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
+    return np.concatenate([array, np.full(length - len(array), value, dtype=np.int64)])
+
+
+class StepBuffers:
+    """Persistent device tensors a step's inputs are copied into (graphs read them by address)."""
+
+    def __init__(self, max_tokens: int, max_num_seqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        max_seqs = max_num_seqs + 1  # + the sequence that holds a mixed graph's padding tokens
+        self.input_ids = zeros(max_tokens)
+        self.positions = zeros(max_tokens)
+        self.slot_mapping = zeros(max_tokens)
+        self.query_start_loc = zeros(max_seqs + 1, dtype=torch.int32)
+        self.seq_lens = zeros(max_seqs, dtype=torch.int32)
+        self.block_tables = zeros(max_seqs, max_blocks_per_req, dtype=torch.int32)
+
+    def load(self, step: StepInputs, padded_tokens: int | None = None, padded_seqs: int | None = None) -> AttentionMetadata:
+        """Copy a step's host arrays in, padded (on the host) to a graph's bucket when given."""
+        num_seqs, num_tokens = len(step.req_ids), step.num_tokens
+        input_ids, positions, slot_mapping = step.input_ids, step.positions, step.slot_mapping
+        query_start_loc, seq_lens = step.query_start_loc, step.seq_lens
+        if padded_tokens is not None:
+            input_ids = _pad(input_ids, padded_tokens, 0)
+            positions = _pad(positions, padded_tokens, 0)
+            slot_mapping = _pad(slot_mapping, padded_tokens, -1)
+            seq_lens = _pad(seq_lens, padded_seqs, 0)
+            if step.max_query_len == 1:  # decode: a token per sequence, padding ones included
+                query_start_loc = np.arange(padded_seqs + 1, dtype=np.int64)
+            else:  # empty sequences, then one holding every padding token
+                query_start_loc = _pad(query_start_loc, padded_seqs, num_tokens)
+                query_start_loc = np.append(query_start_loc, padded_tokens)
+            num_seqs, num_tokens = padded_seqs, padded_tokens
+        for buffer, array in ((self.input_ids, input_ids), (self.positions, positions),
+                              (self.slot_mapping, slot_mapping), (self.query_start_loc, query_start_loc),
+                              (self.seq_lens, seq_lens)):
+            buffer[: len(array)].copy_(torch.from_numpy(array), non_blocking=True)
+        rows, columns = step.block_table.shape
+        self.block_tables[:rows, :columns].copy_(torch.from_numpy(step.block_table), non_blocking=True)
+        return self.metadata(num_tokens, num_seqs, step.max_query_len, step.max_seq_len)
+
+    def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs],
+            block_tables=self.block_tables[:num_seqs],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+
+class StepGraphs:
+    """One captured forward per bucket; `run(step)` replays the smallest bucket that holds it."""
+
+    def __init__(self, forward: Forward, buffers: StepBuffers, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.buffers = buffers
+        self.max_num_seqs = max_num_seqs
+        self.decode_buckets = decode_buckets(max_num_seqs)
+        self.mixed_buckets = mixed_buckets(max_num_batched_tokens)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.pool = None
+        # Largest first, so the smaller graphs fit in the memory pool the largest made.
+        for tokens in reversed(self.mixed_buckets):
+            self._capture(forward, ("mixed", tokens), tokens, max_num_seqs + 1, max_query_len=tokens,
+                          max_seq_len=max_model_len)
+        for seqs in reversed(self.decode_buckets):
+            self._capture(forward, ("decode", seqs), seqs, seqs, max_query_len=1, max_seq_len=max_model_len)
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs: decode batch sizes %s; mixed token counts %s",
+                    self.decode_buckets, self.mixed_buckets)
+
+    def _capture(self, forward: Forward, key: tuple[str, int], num_tokens: int, num_seqs: int,
+                 max_query_len: int, max_seq_len: int) -> None:
+        b = self.buffers
+        # All padding: the captures touch no real cache slot.
+        b.slot_mapping[:num_tokens] = -1
+        b.seq_lens[:num_seqs] = 0
+        b.query_start_loc[: num_seqs + 1] = torch.linspace(0, num_tokens, num_seqs + 1, device=b.seq_lens.device).int()
+        metadata = b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len)
+        args = (b.input_ids[:num_tokens], b.positions[:num_tokens], metadata)
+        forward(*args)  # warm-up: compiles kernels, settles the allocator
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[key] = forward(*args)
+        self.pool = graph.pool()
+        self.graphs[key] = graph
+
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        """The step's hidden states through a graph, or None when no bucket holds it."""
+        num_seqs, num_tokens = len(step.req_ids), step.num_tokens
+        if step.max_query_len == 1:
+            key = ("decode", next((b for b in self.decode_buckets if b >= num_seqs), 0))
+            padded_seqs = key[1]
+        else:
+            key = ("mixed", next((b for b in self.mixed_buckets if b >= num_tokens), 0))
+            padded_seqs = self.max_num_seqs + 1
+        if key not in self.graphs:
+            return None
+        self.buffers.load(step, padded_tokens=key[1], padded_seqs=padded_seqs)
+        self.graphs[key].replay()
+        return self.outputs[key][:num_tokens]

@@ -1,0 +1,159 @@
+"""The persistent batch: what the worker remembers about its requests, as numpy arrays.
+
+Each live request owns a row. Its known tokens (prompt + outputs), its block table and its
+sampling settings stay in that row across steps, and a SchedulerOutput only changes what moved:
+new rows for new requests, appended block ids, one appended token per sampled request. A step's
+inputs are then gathered for all scheduled rows at once with array indexing (no per-token
+Python loops), and copied to the device in one transfer per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.messages import NewRequestData
+from protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class StepInputs:
+    """One step's packed batch on the host; the model runner moves it to the device."""
+
+    req_ids: list[str]  # scheduled requests, in batch order
+    input_ids: np.ndarray  # [num_tokens]
+    positions: np.ndarray  # [num_tokens]
+    slot_mapping: np.ndarray  # [num_tokens]
+    query_start_loc: np.ndarray  # [num_reqs + 1]
+    seq_lens: np.ndarray  # [num_reqs]
+    block_table: np.ndarray  # [num_reqs, num_block_columns]
+    logits_indices: np.ndarray  # [num_sampling] token rows whose logits are sampled
+    sampling_req_index: np.ndarray  # [num_sampling] their requests' places in req_ids
+    sampling_rows: np.ndarray  # [num_sampling] their requests' persistent rows
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.device = device
+
+        # + 1: a prompt of max_model_len tokens still samples one token before it stops.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known tokens per row
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # -- deltas from the scheduler ----------------------------------------------------------------
+
+    def add_request(self, new: NewRequestData) -> None:
+        if new.req_id in self.row_of:
+            raise ValueError(f"request {new.req_id} is already in the batch")
+        if not self.free_rows:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_reqs} requests in the batch")
+        row = self.free_rows.pop()
+        self.row_of[new.req_id] = row
+        tokens = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+        self._set_sampling(row, new.sampling_params)
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)  # ids never seen (aborted while waiting) are fine
+        if row is not None:
+            self.generators[row] = None
+            self.free_rows.append(row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise ValueError(f"row {row}: {end} blocks exceed {self.max_blocks_per_req} (max_model_len)")
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def _set_sampling(self, row: int, params: SamplingParams) -> None:
+        self.temperature[row] = params.temperature
+        self.top_k[row] = max(params.top_k, 0)
+        self.top_p[row] = params.top_p
+        self.generators[row] = (
+            None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
+        )
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+        """Gather the inputs of every scheduled request, vectorized over rows and tokens."""
+        req_ids = list(num_scheduled_tokens)
+        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        start = self.num_computed_tokens[rows]
+        seq_lens = start + query_lens
+        if np.any(seq_lens > self.num_tokens[rows]):
+            bad = req_ids[int(np.argmax(seq_lens > self.num_tokens[rows]))]
+            raise ValueError(f"request {bad}: scheduled past its known tokens")
+
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        # For token t of request i: position start[i] + (t - query_start_loc[i]).
+        token_req = np.repeat(np.arange(len(req_ids)), query_lens)
+        positions = np.arange(num_tokens) - query_start_loc[token_req] + start[token_req]
+        token_rows = rows[token_req]
+        input_ids = self.token_ids[token_rows, positions]
+        slot_mapping = (
+            self.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        max_seq_len = int(seq_lens.max())
+        num_columns = -(-max_seq_len // self.block_size)
+        if np.any(self.num_blocks[rows] * self.block_size < seq_lens):
+            raise ValueError("a scheduled request has fewer blocks than its tokens need")
+
+        # A request samples iff this step reaches the end of its known tokens.
+        samples = seq_lens == self.num_tokens[rows]
+        self.num_computed_tokens[rows] = seq_lens  # written by this step's forward
+        return StepInputs(
+            req_ids=req_ids,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=self.block_table[rows, :num_columns],
+            logits_indices=query_start_loc[1:][samples] - 1,
+            sampling_req_index=np.flatnonzero(samples),
+            sampling_rows=rows[samples],
+            max_query_len=int(query_lens.max()),
+            max_seq_len=max_seq_len,
+        )
+
+    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """The sampled tokens become known tokens of their rows."""
+        at = self.num_tokens[rows]
+        self.token_ids[rows, at] = token_ids
+        self.num_tokens[rows] = at + 1
