@@ -261,8 +261,11 @@ class EngineCoreProc(EngineCore):
             self.request_owner[message.request_id] = identity
             try:
                 self.add_request(message)
-            except Exception:  # frontends validate first; whatever slips through fails alone
-                logger.exception("rejected request %s", message.request_id)
+            except Exception as e:  # frontends validate first; whatever slips through fails alone
+                if isinstance(e, ValueError):  # a bad request (e.g. too long for the KV cache)
+                    logger.error("rejected request %s: %s", message.request_id, e)
+                else:
+                    logger.exception("rejected request %s", message.request_id)
                 self._send_outputs([EngineCoreOutput(message.request_id, [], finish_reason=FINISH_ABORT)])
         elif isinstance(message, AbortRequests):
             outputs = self.abort_requests(message.request_ids)
