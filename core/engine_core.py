@@ -37,6 +37,7 @@ from protocol.messages import (
     EngineCoreRequest,
     FINISH_ABORT,
     EngineInfo,
+    EngineStats,
     ModelRunnerOutput,
     Shutdown,
     UtilityCall,
@@ -48,6 +49,41 @@ logger = logging.getLogger(__name__)
 
 _OUTBOX = "inproc://engine-core-outbox"
 _IDLE_WAIT_S = 1.0  # how often an idle engine checks its workers are alive
+# Seconds between stats lines while the engine is busy (0: never log them on a timer).
+STATS_INTERVAL_ENV = "MINIVLLM_STATS_INTERVAL"
+DEFAULT_STATS_INTERVAL_S = 5.0
+
+
+class StatsLogger:
+    """The periodic "Avg prompt throughput ..." line, from EngineStats snapshots: gauges as they
+    are now, throughputs over the time since the previous line."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last_time = time.monotonic()
+        self.last_stats: EngineStats | None = None
+
+    def due(self) -> bool:
+        return self.interval_s > 0 and time.monotonic() - self.last_time >= self.interval_s
+
+    def log(self, stats: EngineStats, force: bool = False) -> None:
+        """Log a line if anything happened since the last one (or `force`)."""
+        now = time.monotonic()
+        last = self.last_stats
+        prefill = stats.num_prefill_tokens - (last.num_prefill_tokens if last else 0)
+        generation = stats.num_generation_tokens - (last.num_generation_tokens if last else 0)
+        idle = not (prefill or generation or stats.num_running_reqs or stats.num_waiting_reqs)
+        elapsed = max(now - self.last_time, 1e-9)
+        self.last_time, self.last_stats = now, stats
+        if idle and not force:
+            return
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+            "Preemptions: %d",
+            prefill / elapsed, generation / elapsed, stats.num_running_reqs, stats.num_waiting_reqs,
+            100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate, stats.num_preemptions,
+        )
 
 
 class StepTimer:
@@ -80,13 +116,6 @@ class EngineCore:
                 num_gpu_blocks = config.num_gpu_blocks
             else:  # every rank must hold the cache: the smallest answer wins
                 num_gpu_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
-            capacity = num_gpu_blocks * config.block_size
-            if config.max_model_len > capacity:
-                raise ValueError(
-                    f"max_model_len={config.max_model_len} does not fit the KV cache "
-                    f"({num_gpu_blocks} blocks x {config.block_size} tokens = {capacity} tokens); "
-                    f"lower max_model_len to at most {capacity} or give more num_gpu_blocks."
-                )
             self.executor.collective_rpc("initialize_cache", num_gpu_blocks)
         except BaseException:
             self.executor.shutdown()
@@ -94,10 +123,21 @@ class EngineCore:
         self.num_gpu_blocks = num_gpu_blocks
         self.scheduler = Scheduler(config, num_gpu_blocks)
         self.step_timer = StepTimer()
+        capacity = num_gpu_blocks * config.block_size
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
-            num_gpu_blocks, config.block_size, capacity, config.max_model_len,
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d; %s scheduling; prefix caching %s",
+            num_gpu_blocks, config.block_size, capacity, config.max_model_len, config.scheduling_policy,
+            "on" if config.enable_prefix_caching else "off",
         )
+        if config.max_model_len > capacity:
+            # Not fatal: short requests still run. Requests that could outgrow the cache are
+            # rejected at admission (they would otherwise wait, or preempt themselves, forever).
+            logger.warning(
+                "max_model_len=%d is more than the KV cache holds (%d tokens): requests whose prompt + "
+                "max_tokens exceeds %d tokens will be rejected. Lower max_model_len or give more KV cache.",
+                config.max_model_len, capacity, capacity,
+            )
+        self.stats_logger = StatsLogger(float(os.environ.get(STATS_INTERVAL_ENV, DEFAULT_STATS_INTERVAL_S)))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
@@ -128,7 +168,18 @@ class EngineCore:
             eos_token_ids=c.eos_token_ids, block_size=c.block_size, num_gpu_blocks=self.num_gpu_blocks,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             engine_pid=os.getpid(), worker_pids=self.executor.worker_pids,
+            scheduling_policy=c.scheduling_policy, enable_prefix_caching=c.enable_prefix_caching,
         )
+
+    def get_stats(self) -> EngineStats:
+        return self.scheduler.make_stats()
+
+    def log_stats(self) -> None:
+        """Log the stats line now (throughputs since the previous line)."""
+        self.stats_logger.log(self.get_stats(), force=True)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         if self.step_timer.num_steps:
@@ -151,6 +202,9 @@ class EngineCoreProc(EngineCore):
             "get_engine_info": self.get_engine_info,
             "check_health": lambda: True,
             "get_num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
+            "get_stats": self.get_stats,
+            "log_stats": self.log_stats,
+            "reset_prefix_cache": self.reset_prefix_cache,
         }
         self.ctx = zmq.Context()
         bound = threading.Event()
@@ -170,6 +224,8 @@ class EngineCoreProc(EngineCore):
                 outputs = self.step()
                 if outputs:
                     self._send_outputs(outputs)
+                if self.stats_logger.due():
+                    self.stats_logger.log(self.get_stats())
         except WorkerDiedError as e:
             logger.error("engine dead: %s", e)
             for client in self.clients:
@@ -193,6 +249,8 @@ class EngineCoreProc(EngineCore):
                 if not block or self.stopping.is_set():
                     return
                 self.executor.check_alive()
+                if self.stats_logger.due():  # the last busy interval's line
+                    self.stats_logger.log(self.get_stats())
                 continue
             self._handle(identity, message)
             block = False
@@ -203,8 +261,11 @@ class EngineCoreProc(EngineCore):
             self.request_owner[message.request_id] = identity
             try:
                 self.add_request(message)
-            except Exception:  # frontends validate first; whatever slips through fails alone
-                logger.exception("rejected request %s", message.request_id)
+            except Exception as e:  # frontends validate first; whatever slips through fails alone
+                if isinstance(e, ValueError):  # a bad request (e.g. too long for the KV cache)
+                    logger.error("rejected request %s: %s", message.request_id, e)
+                else:
+                    logger.exception("rejected request %s", message.request_id)
                 self._send_outputs([EngineCoreOutput(message.request_id, [], finish_reason=FINISH_ABORT)])
         elif isinstance(message, AbortRequests):
             outputs = self.abort_requests(message.request_ids)

@@ -1,8 +1,11 @@
-"""KVCacheManager: which blocks each request holds, grown as its computed tokens grow."""
+"""KVCacheManager: which blocks each request holds, grown as its computed tokens grow, and the
+prefix cache lookups that let a new request start from blocks another request computed."""
 
 from __future__ import annotations
 
-from core.block_pool import BlockPool, KVCacheBlock
+from collections.abc import Sequence
+
+from core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_request_blocks
 from core.request import Request
 
 
@@ -11,40 +14,141 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_gpu_blocks: int) -> None:
+    def __init__(self, block_size: int, num_gpu_blocks: int, enable_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
-        self.block_pool = BlockPool(num_gpu_blocks)
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         # Logical block i of a request (tokens [i*block_size, (i+1)*block_size)) -> its block.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of each request's leading blocks are registered in the prefix cache already.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache counters (tokens), since start or the last reset_prefix_cache().
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for KV of tokens [0, num_computed_tokens + num_new_tokens).
+    # ------------------------------------------------------------------ prefix cache
 
-        Returns the ids of the blocks appended to the request's block table (maybe none),
-        or None, changing nothing, when the pool cannot supply them all.
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks the request's tokens start with, and the number
+        of tokens they hold. Nothing is taken yet: allocate_slots() does that.
+
+        The last known token is never served from the cache: the step must compute it to get
+        the logits of the next token. (So a fully cached prompt recomputes its last block.)
+        """
+        if not self.enable_caching:
+            return [], 0
+        assert request.num_computed_tokens == 0, "only requests that hold no blocks look up the cache"
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        computed_blocks: list[KVCacheBlock] = []
+        for block_hash in self._get_block_hashes(request)[:max_num_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break  # the chain breaks here: later blocks hash a prefix nobody computed
+            computed_blocks.append(block)
+        return computed_blocks, len(computed_blocks) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one request's first lookup (the scheduler calls it once the request is admitted,
+        so a lookup retried while the request waits for room is counted once)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        return True
+
+    def _get_block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's full-block hashes, extended to cover all its known tokens."""
+        hashes = request.block_hashes
+        num_full_blocks = request.num_tokens // self.block_size
+        if len(hashes) < num_full_blocks:
+            first = len(hashes)
+            token_ids = request.all_token_ids[first * self.block_size : num_full_blocks * self.block_size]
+            hashes.extend(
+                hash_request_blocks(
+                    token_ids,
+                    self.block_size,
+                    cache_salt=request.cache_salt,
+                    parent_block_hash=hashes[-1] if hashes else None,
+                    first_block_index=first,
+                )
+            )
+        return hashes
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Make room for KV of tokens [0, num_computed_tokens + num_new_computed_tokens +
+        num_new_tokens), taking `new_computed_blocks` (a prefix-cache hit holding the next
+        num_new_computed_tokens tokens) first.
+
+        Returns the ids of the freshly allocated blocks appended to the request's block table
+        (maybe none; hit blocks are not among them), or None, changing nothing — no ref count,
+        no queue position — when the pool cannot supply them all.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_required_blocks = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_new_blocks = num_required_blocks - len(blocks)
-        if num_new_blocks <= 0:
-            return []
-        if num_new_blocks > self.block_pool.get_num_free_blocks():
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = max(num_required_blocks - len(blocks) - len(new_computed_blocks), 0)
+        # Hit blocks nobody holds sit in the free queue: taking them uses up free blocks too.
+        num_evictable_hit_blocks = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hit_blocks > self.block_pool.get_num_free_blocks():
             return None
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        self.req_to_blocks.setdefault(request.request_id, blocks).extend(new_blocks)
+        if not blocks and not new_computed_blocks and num_new_blocks == 0:
+            return []  # nothing to hold (and no empty entry left behind)
+
+        # Hits first: allocation below must not evict them.
+        self.block_pool.touch(new_computed_blocks)
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed_tokens + num_new_tokens)
         return [block.block_id for block in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register the request's blocks that `num_tokens` tokens fill.
+
+        They are registered when scheduled, before the step computes them: a request admitted
+        later in the same step may then share them, which works because the worker writes the
+        whole batch's K/V in a layer before attending (see SchedulerOutput). A scheduled request
+        is never preempted in its own step, so a registered block is always computed.
+        """
+        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached_blocks = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full_blocks <= num_cached_blocks:
+            return
+        block_hashes = self._get_block_hashes(request)
+        self.block_pool.cache_full_blocks(
+            blocks[num_cached_blocks:num_full_blocks], block_hashes[num_cached_blocks:num_full_blocks]
+        )
+        self.num_cached_blocks[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks to the pool (a no-op if it holds none)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        # Tail first: a request's last blocks are the least likely to be shared later, so they
-        # should be evicted first once prefix caching keeps freed blocks around.
+        self.num_cached_blocks.pop(request.request_id, None)
+        # Tail first: a request's last blocks are the least likely to be shared (a prefix is
+        # shared from its start), so they are queued to be evicted first.
         self.block_pool.free_blocks(reversed(blocks))
+
+    # ------------------------------------------------------------------ accounting
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]

@@ -40,6 +40,8 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float,
         eos_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -47,10 +49,20 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = list(eos_token_ids or [])
         self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        # Order of arrival at the scheduler (set by it): breaks arrival_time ties.
+        self.arrival_order = 0
         self.status = RequestStatus.WAITING
         # Tokens whose KV is in the cache (or will be once the step scheduled for them runs).
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Prompt tokens found in the prefix cache when first scheduled; -1 until then.
+        self.num_cached_tokens = -1
+        # Prefix-cache hashes of its full blocks so far (prompt and outputs). Tokens are only
+        # ever appended, so these stay valid through preemption: a resumed request finds its
+        # own blocks again if they were not evicted meanwhile.
+        self.block_hashes: list[bytes] = []
         # The stop token id that finished the request, if one did.
         self.stop_reason: int | None = None
 
@@ -62,6 +74,8 @@ class Request:
             sampling_params=request.sampling_params,
             arrival_time=request.arrival_time,
             eos_token_ids=request.eos_token_ids,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
         )
 
     @property

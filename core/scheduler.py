@@ -2,25 +2,37 @@
 
 Every request has `num_computed_tokens` catching up with `num_tokens`. Each step, running
 requests are served first (one token when decoding, a chunk when still prefilling), then waiting
-requests are admitted first-come first-served while budget and seats remain. A request whose
-scheduled range reaches `num_tokens` gets one sampled token back from the worker.
-When the cache runs out, the latest running request is preempted by recompute: it loses its
-blocks and goes back to the front of the waiting queue, keeping its generated tokens.
+requests are admitted in queue order while budget and seats remain. A request whose scheduled
+range reaches `num_tokens` gets one sampled token back from the worker.
+
+- A newly admitted request starts past the longest run of its full blocks already in the
+  prefix cache (their tokens count as computed).
+- When the cache runs out, the running request that matters least — the last admitted (fcfs), or
+  the lowest priority, latest arrived (priority) — is preempted by recompute: it loses its blocks
+  and goes back to waiting, keeping its generated tokens; its cached blocks usually let it skip
+  most of the recomputation.
+- scheduling_policy="v0" is the pre-V1 scheduler, kept to compare against: a step either
+  prefills whole prompts of waiting requests (and nothing else), or decodes every running one.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
-from core.kv_cache_manager import KVCacheManager
+from core.kv_cache_manager import KVCacheManager, cdiv
 from core.request import Request, RequestStatus
 from protocol.config import EngineConfig
 from protocol.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreRequest,
+    EngineStats,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -29,25 +41,117 @@ from protocol.messages import (
 logger = logging.getLogger(__name__)
 
 
+def _priority_key(request: Request) -> tuple[int, float, int]:
+    """Lower runs first: priority, then arrival."""
+    return (request.priority, request.arrival_time, request.arrival_order)
+
+
+class FCFSRequestQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+class PriorityRequestQueue:
+    """Waiting requests by (priority, arrival): a heap. A preempted request goes back by its
+    key too, so it is ahead of everything that arrived after it at its priority."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, float, int], Request]] = []
+
+    def add(self, request: Request) -> None:
+        # arrival_order is unique, so comparisons never reach the Request itself.
+        heapq.heappush(self._heap, (_priority_key(request), request))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [entry for entry in self._heap if entry[1] is not request]
+        heapq.heapify(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (request for _, request in sorted(self._heap))
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+@dataclass
+class _StepPlan:
+    """One step's decisions so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    # Running requests scheduled again, with the ids of the blocks they gained this step.
+    cached_reqs: list[tuple[Request, list[int]]] = field(default_factory=list)
+
+    def schedule(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_gpu_blocks: int) -> None:
         self.config = config
+        self.policy = config.scheduling_policy
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.block_size = config.block_size
-        self.kv_cache_manager = KVCacheManager(config.block_size, num_gpu_blocks)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.kv_cache_manager = KVCacheManager(
+            config.block_size, num_gpu_blocks, enable_caching=config.enable_prefix_caching
+        )
 
         # Live (unfinished) requests by id.
         self.requests: dict[str, Request] = {}
-        # WAITING and PREEMPTED requests; preempted ones go back to the front.
-        self.waiting: deque[Request] = deque()
-        # RUNNING requests in admission order; the last one is preempted first.
+        # WAITING and PREEMPTED requests, in the order the policy admits them.
+        self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
+        # RUNNING requests, served in this order; the last one is preempted first. fcfs / v0:
+        # admission order. priority: sorted by (priority, arrival), so a victim is never a
+        # request already scheduled in the step (all of those come before it).
         self.running: list[Request] = []
+        self._arrival_counter = itertools.count()
         # Ids the worker should forget, reported in the next step that schedules work
         # (the engine does not send empty steps to the worker, so they must not be lost there).
         self.finished_req_ids: list[str] = []
         self.preempted_req_ids: list[str] = []
+
+        # Counters since start, for EngineStats.
+        self.num_preemptions = 0
+        self.num_prefill_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished_reqs = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -55,7 +159,9 @@ class Scheduler:
         request = Request.from_engine_core_request(engine_core_request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        # Either would never make progress: nothing to run, or more KV than the model allows.
+        # Each of these would never make progress: nothing to run, more KV than the model
+        # allows, or more KV than the whole cache holds (it would wait, or preempt itself,
+        # forever). Frontends check the same first; this guards the engine.
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
         if request.num_prompt_tokens > self.max_model_len:
@@ -63,18 +169,29 @@ class Scheduler:
                 f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens, "
                 f"more than max_model_len={self.max_model_len}"
             )
+        max_num_tokens = self._max_num_tokens(request)
+        if cdiv(max_num_tokens, self.block_size) > self.num_gpu_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} may grow to {max_num_tokens} tokens, more than the "
+                f"KV cache holds ({self.num_gpu_blocks} blocks x {self.block_size} tokens)"
+            )
+        request.arrival_order = next(self._arrival_counter)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+
+    def _max_num_tokens(self, request: Request) -> int:
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            return self.max_model_len
+        return min(request.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish live requests as aborted and free their blocks now; other ids are ignored."""
         outputs: list[EngineCoreOutput] = []
-        aborted: set[str] = set()
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None or request_id in aborted:
+            if request is None:  # unknown, finished, or already aborted (a repeated id)
                 continue
-            aborted.add(request_id)
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -82,7 +199,12 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ABORTED
             self._free_request(request)
             outputs.append(
-                EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=request.finish_reason)
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason=request.finish_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
             )
         return outputs
 
@@ -92,20 +214,59 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; only while no request holds blocks. Returns success."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> EngineStats:
+        manager = self.kv_cache_manager
+        return EngineStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=manager.usage,
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=manager.prefix_cache_queries,
+            prefix_cache_hits=manager.prefix_cache_hits,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_finished_reqs=self.num_finished_reqs,
+        )
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_reqs: list[Request] = []
-        cached_reqs: list[tuple[Request, list[int]]] = []
-        preempted_this_step = False
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        if self.policy == "v0":
+            # Prefills first, whole prompts only; a step that admits anything does nothing else.
+            # Running requests wait meanwhile: the stall V1 removes.
+            self._schedule_waiting(plan, whole_prompts_only=True)
+            if not plan.new_reqs:
+                self._schedule_running(plan)
+        else:
+            # Running requests first, so decodes are never starved by new prompts. No admission
+            # after a preemption: the blocks just freed are for the running requests, and
+            # admitting would only thrash.
+            if not self._schedule_running(plan):
+                self._schedule_waiting(plan, whole_prompts_only=False)
+        return self._make_scheduler_output(plan)
 
-        # Running requests first, in order, so decodes are never starved by new prompts.
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        """Tokens to run for a request this step: what it lacks, capped per request by
+        long_prefill_token_threshold and by what is left of the budget."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        return min(num_new_tokens, token_budget)
+
+    def _schedule_running(self, plan: _StepPlan) -> bool:
+        """Serve running requests in order, preempting from the back when blocks run out.
+        Returns whether anything was preempted."""
+        preempted = False
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new_tokens <= 0:  # nothing to run until it gets a new token
                 req_index += 1
                 continue
@@ -113,35 +274,51 @@ class Scheduler:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_block_ids is not None:
                     break
-                # Out of blocks: preempt the latest request. It is never one already scheduled
-                # this step, since those all sit before req_index.
+                # Out of blocks: preempt the last running request. It is never one already
+                # scheduled this step, since those all sit before req_index.
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted_this_step = True
+                preempted = True
                 if victim is request:
                     break
             if new_block_ids is None:
                 break  # the request preempted itself; everything after it is gone too
-            cached_reqs.append((request, new_block_ids))
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            plan.cached_reqs.append((request, new_block_ids))
+            plan.schedule(request, num_new_tokens)
             req_index += 1
+        return preempted
 
-        # Then waiting requests, first come first served. Not after a preemption: the blocks
-        # just freed are for the running requests, and admitting would only thrash.
-        if not preempted_this_step:
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-                if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
-                    break  # keep FCFS order: nobody jumps ahead of the head of the queue
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
+    def _schedule_waiting(self, plan: _StepPlan, whole_prompts_only: bool) -> None:
+        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if whole_prompts_only:
+                num_new_tokens = request.num_tokens - num_cached_tokens
+                if num_new_tokens > plan.token_budget:
+                    break
+            else:
+                num_new_tokens = self._num_new_tokens(request, num_cached_tokens, plan.token_budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_cached_tokens, computed_blocks
+            )
+            if new_block_ids is None:
+                break  # keep queue order: nobody jumps ahead of the head of the queue
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:  # first admission, not a resumption
+                request.num_cached_tokens = num_cached_tokens
+                self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_cached_tokens)
+            request.num_computed_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            if self.policy == "priority":
+                bisect.insort(self.running, request, key=_priority_key)
+            else:
                 self.running.append(request)
-                new_reqs.append(request)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
+            plan.new_reqs.append(request)
+            plan.schedule(request, num_new_tokens)
 
+    def _make_scheduler_output(self, plan: _StepPlan) -> SchedulerOutput:
+        num_scheduled_tokens = plan.num_scheduled_tokens
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         assert total_num_scheduled_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
@@ -156,11 +333,11 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                 )
-                for request in new_reqs
+                for request in plan.new_reqs
             ],
             scheduled_cached_reqs=[
                 CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-                for request, new_block_ids in cached_reqs
+                for request, new_block_ids in plan.cached_reqs
             ],
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
@@ -173,6 +350,15 @@ class Scheduler:
             scheduler_output.preempted_req_ids = self.preempted_req_ids
             self.finished_req_ids = []
             self.preempted_req_ids = []
+
+        # A decode runs the one token sampled last step; everything else scheduled is prefill
+        # (prompt chunks, or a preempted request's recomputation).
+        num_decode_tokens = sum(
+            1
+            for request, _ in plan.cached_reqs
+            if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+        )
+        self.num_prefill_tokens += total_num_scheduled_tokens - num_decode_tokens
 
         # The worker will compute these tokens; count them now so the next schedule() sees them.
         for request_id, num_tokens in num_scheduled_tokens.items():
@@ -195,6 +381,7 @@ class Scheduler:
             ):
                 continue
             request.output_token_ids.append(token_id)
+            self.num_generation_tokens += 1
             if self._check_stop(request, token_id):
                 finished.add(request_id)
                 self._free_request(request)
@@ -204,6 +391,7 @@ class Scheduler:
                     new_token_ids=[token_id],
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
         if finished:
@@ -227,12 +415,14 @@ class Scheduler:
         return request.is_finished
 
     def _preempt(self, request: Request) -> None:
-        """Recompute-preemption: drop the request's KV; it restarts from token 0 later."""
+        """Recompute-preemption: drop the request's KV; it restarts from token 0 later (or from
+        past whatever of its blocks the prefix cache still holds by then)."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
         self.preempted_req_ids.append(request.request_id)
         logger.debug(
             "preempted %s (preemption #%d, %d tokens to recompute)",
@@ -247,3 +437,4 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
+        self.num_finished_reqs += 1

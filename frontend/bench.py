@@ -89,6 +89,7 @@ def run_minivllm(args: argparse.Namespace, workload: Workload) -> ThroughputResu
                   for n in workload.output_lens]
         prompts = [{"prompt_token_ids": p} for p in workload.prompts]
         llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up: kernels compiled, pages touched
+        llm.reset_prefix_cache()  # the measured run must not reuse the warm-up's prompts
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=args.progress)
         elapsed = time.perf_counter() - start
@@ -214,9 +215,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
     with LLM(args.model, skip_tokenizer_init=True, **engine_kwargs(args)) as llm:
         llm.generate(prompt, full, use_tqdm=False)  # warm-up
         for _ in range(args.num_iters):
+            llm.reset_prefix_cache()  # the same prompt every time: measure prefill, not cache hits
             start = time.perf_counter()
             llm.generate(prompt, first, use_tqdm=False)
             ttft = time.perf_counter() - start
+            llm.reset_prefix_cache()
             start = time.perf_counter()
             llm.generate(prompt, full, use_tqdm=False)
             total = time.perf_counter() - start

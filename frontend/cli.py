@@ -15,8 +15,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
     g.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step (prompts longer than what is left are chunked)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (prompts longer than what is left are chunked); "
+                        "default 2048, or max(2048, max_model_len) with --scheduling-policy v0")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-gpu-blocks", type=int, default=None,
@@ -33,6 +34,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from config.json alone (for benchmarks)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's random numbers")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="number of worker processes (GPUs)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache blocks of prompt prefixes already computed")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "v0"],
+                   help="fcfs: first come first served; priority: per-request priority, lower first; "
+                        "v0: the pre-V1 scheduler (whole-prompt prefill steps, then decode steps)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request may run in one step (0: no cap)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -42,6 +50,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, device=args.device, dtype=args.dtype,
         load_format=args.load_format, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
 
 

@@ -6,6 +6,12 @@ started with `minivllm engine` (any address). A dead engine turns into EngineDea
   - the engine said so (a worker died), or
   - the connection dropped (ZMQ heartbeats notice a silent peer within seconds).
 Request ids get a per-client prefix on the wire, so frontends sharing one engine never collide.
+
+Threads: a ZMQ socket is one thread's at a time, and generate() holds this client's socket
+while it waits for outputs. So an abort or a utility call (stats, ...) made while another thread
+holds it goes through a second connection to the engine (made on first need). The engine
+routes each request's outputs to the connection that added it, so nothing is lost; an abort
+sent through the second connection right after the add may overtake it, and is then ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import subprocess
+import threading
 import time
 import uuid
 from typing import Any
@@ -44,9 +51,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, address: str, proc: subprocess.Popen | None = None) -> None:
+    def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True) -> None:
         self.address = address
-        self.proc = proc  # set when this client spawned the engine (and so owns it)
+        self.proc = proc  # set when the engine was spawned (by this client, or the one it serves)
+        self.owns_engine = proc is not None and owns_engine  # stop it at shutdown
         self.dead_reason: str | None = None
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.DEALER)
@@ -63,6 +71,11 @@ class EngineCoreClient:
         self.pending_outputs: list[EngineCoreOutput] = []
         self.live_request_ids: set[str] = set()
         self.engine_info: EngineInfo | None = None
+        # Whoever holds io_lock owns the socket; see the module docstring for the others.
+        self.io_lock = threading.Lock()
+        self.ids_lock = threading.Lock()  # live_request_ids is read from other threads
+        self.side_lock = threading.Lock()
+        self.side_client: EngineCoreClient | None = None
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -93,26 +106,61 @@ class EngineCoreClient:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._check_alive()
-        self.live_request_ids.add(request.request_id)
-        self._send(msgspec.structs.replace(request, request_id=self.prefix + request.request_id))
+        with self.io_lock:
+            self._check_alive()
+            self._send(msgspec.structs.replace(request, request_id=self.prefix + request.request_id))
+        with self.ids_lock:  # abortable only once sent, so an abort never precedes its add here
+            self.live_request_ids.add(request.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        ids = [i for i in request_ids if i in self.live_request_ids]
-        if ids and self.dead_reason is None:
-            self._send(AbortRequests([self.prefix + i for i in ids]))
+        """Abort these of this client's requests (others are ignored). Any thread may call it."""
+        with self.ids_lock:
+            ids = [i for i in request_ids if i in self.live_request_ids]
+        if not ids or self.dead_reason is not None:
+            return
+        message = AbortRequests([self.prefix + i for i in ids])
+        if self.io_lock.acquire(blocking=False):
+            try:
+                self._send(message)
+            finally:
+                self.io_lock.release()
+        else:
+            with self.side_lock:
+                self._side_client()._send(message)
+
+    def get_unfinished_request_ids(self) -> list[str]:
+        with self.ids_lock:
+            return list(self.live_request_ids)
 
     def get_outputs(self, timeout: float | None = None) -> list[EngineCoreOutput]:
         """The outputs that arrived; waits up to `timeout` seconds (None: until some arrive)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.pending_outputs:
-            if not self._receive(deadline):
-                break
-        outputs, self.pending_outputs = self.pending_outputs, []
-        return outputs
+        with self.io_lock:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self.pending_outputs:
+                if not self._receive(deadline):
+                    break
+            outputs, self.pending_outputs = self.pending_outputs, []
+            return outputs
 
     def call_utility(self, method: str, *args: Any, type: Any = Any, timeout: float | None = None) -> Any:
-        """Run EngineCore.<method>(*args) in the engine's busy loop and return its result."""
+        """Run EngineCore.<method>(*args) in the engine's busy loop and return its result.
+        Any thread may call it."""
+        if not self.io_lock.acquire(blocking=False):
+            with self.side_lock:
+                return self._side_client().call_utility(method, *args, type=type, timeout=timeout)
+        try:
+            return self._call_utility(method, args, type, timeout)
+        finally:
+            self.io_lock.release()
+
+    def _side_client(self) -> "EngineCoreClient":
+        """The second connection, for calls while another thread holds the socket (hold side_lock)."""
+        self._check_alive()
+        if self.side_client is None:
+            self.side_client = EngineCoreClient(self.address, self.proc, owns_engine=False)
+        return self.side_client
+
+    def _call_utility(self, method: str, args: tuple, type: Any, timeout: float | None) -> Any:
         self._check_alive()
         call_id = next(self.call_ids)
         self._send(UtilityCall(call_id, method, list(args)))
@@ -155,7 +203,8 @@ class EngineCoreClient:
         for out in message.outputs:
             out.request_id = out.request_id[len(self.prefix):]
             if out.finish_reason is not None:
-                self.live_request_ids.discard(out.request_id)
+                with self.ids_lock:
+                    self.live_request_ids.discard(out.request_id)
             self.pending_outputs.append(out)
 
     def _on_monitor_event(self, event: int) -> None:
@@ -181,8 +230,10 @@ class EngineCoreClient:
         if self.ctx.closed:
             return
         try:
+            if self.side_client is not None:
+                self.side_client.shutdown()
             if self.dead_reason is None:
-                if self.proc is not None:
+                if self.owns_engine:
                     self._send(Shutdown())
                 elif self.live_request_ids:
                     self.abort_requests(list(self.live_request_ids))  # linger lets it leave
@@ -191,6 +242,6 @@ class EngineCoreClient:
             self.monitor.close(linger=0)
             self.socket.close(linger=1000)
             self.ctx.term()
-            if self.proc is not None:
+            if self.owns_engine:
                 stop_child(self.proc, timeout=10.0)
                 remove_ipc_file(self.address)

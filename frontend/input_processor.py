@@ -12,7 +12,8 @@ from typing import Any, Union
 from protocol.messages import EngineCoreRequest, EngineInfo
 from protocol.sampling_params import SamplingParams
 
-# vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}.
+# vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}; a dict may
+# also carry "cache_salt": only requests with the same salt share prefix-cache blocks.
 PromptType = Union[str, dict[str, Any]]
 
 
@@ -22,11 +23,19 @@ class InputProcessor:
         self.tokenizer = tokenizer
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> tuple[EngineCoreRequest, str | None]:
         """Returns the request and the prompt's text (None when given as token ids)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}.")
+        if priority != 0 and self.info.scheduling_policy != "priority":
+            raise ValueError(f"got priority {priority}, but the engine schedules with policy "
+                             f"{self.info.scheduling_policy!r}; start it with scheduling_policy='priority'.")
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty str, got {cache_salt!r}.")
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
         request = EngineCoreRequest(
@@ -35,6 +44,8 @@ class InputProcessor:
             sampling_params=params,
             arrival_time=time.time(),
             eos_token_ids=list(self.info.eos_token_ids),
+            priority=priority,
+            cache_salt=cache_salt,
         )
         return request, prompt_text
 
@@ -68,3 +79,15 @@ class InputProcessor:
             bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name} {bad} is outside the vocabulary; ids must be in [0, {info.vocab_size}).")
+        # A request that may outgrow the whole KV cache could never finish: reject it now.
+        capacity = info.num_gpu_blocks * info.block_size
+        max_num_tokens = info.max_model_len
+        if params.max_tokens is not None:
+            max_num_tokens = min(len(token_ids) + params.max_tokens, info.max_model_len)
+        if max_num_tokens > capacity:
+            raise ValueError(
+                f"this request may grow to {max_num_tokens} tokens (prompt {len(token_ids)} + max_tokens "
+                f"{params.max_tokens}, capped at max_model_len={info.max_model_len}), more than the whole KV "
+                f"cache holds ({info.num_gpu_blocks} blocks x {info.block_size} = {capacity} tokens); lower "
+                f"max_tokens or shorten the prompt, or give the engine more KV cache."
+            )

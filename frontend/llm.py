@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -15,6 +16,7 @@ from frontend.input_processor import InputProcessor, PromptType
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
+from protocol.messages import EngineStats
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,14 @@ class LLM:
     model: a Hugging Face model directory (config.json + *.safetensors + tokenizer files).
     engine_address: attach to an engine started with `minivllm engine` instead of spawning one;
     the engine's own settings then apply and the other engine arguments here are ignored.
+    enable_prefix_caching: reuse the KV of prompt prefixes already computed (on by default).
+    scheduling_policy: "fcfs", "priority" (generate(..., priority=[...]); lower runs first), or
+    "v0" (the pre-V1 scheduler: whole-prompt prefill steps, then decode steps; for comparison).
+    long_prefill_token_threshold: most prompt tokens one request may run in one step (0: no cap).
+
+    generate() runs in one thread at a time; abort_request, get_unfinished_request_ids,
+    get_stats, log_stats and reset_prefix_cache may be called from any thread, also while
+    generate() runs in another.
     """
 
     def __init__(
@@ -33,7 +43,7 @@ class LLM:
         model: str | None = None,
         *,
         tokenizer: str | None = None,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
@@ -46,6 +56,9 @@ class LLM:
         skip_tokenizer_init: bool = False,
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
         engine_address: str | None = None,
     ) -> None:
         if engine_address is not None:
@@ -59,6 +72,8 @@ class LLM:
                 num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
+                enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+                long_prefill_token_threshold=long_prefill_token_threshold,
             )
             self.client = EngineCoreClient.spawn(config)
         # Stop the engine when this object is collected or the interpreter exits.
@@ -81,8 +96,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for all prompts; outputs come back in the order of the prompts."""
+        """Generate completions for all prompts; outputs come back in the order of the prompts.
+
+        priority: one per prompt, for scheduling_policy="priority" (lower runs first).
+        A request aborted meanwhile (abort_request) comes back with finish_reason "abort".
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -94,12 +114,44 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
                                  "give one, or one per prompt.")
+        if priority is None:
+            priorities = [0] * len(prompts)
+        else:
+            priorities = list(priority)
+            if len(priorities) != len(prompts):
+                raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; give one per prompt.")
         # Validate everything before anything reaches the engine.
         requests = [
-            self.input_processor.process(str(next(self.request_counter)), prompt, params)
-            for prompt, params in zip(prompts, params_list)
+            self.input_processor.process(str(next(self.request_counter)), prompt, params, prio)
+            for prompt, params, prio in zip(prompts, params_list, priorities)
         ]
         return self._run(requests, use_tqdm)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests by id (RequestOutput.request_id: "0", "1", ... in submission order).
+        The engine frees their KV blocks at once; the generate() waiting on them returns them
+        with finish_reason "abort" and the tokens made so far. Finished or unknown ids are
+        ignored. Safe from any thread."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.client.abort_requests(ids)
+
+    def get_unfinished_request_ids(self) -> list[str]:
+        """Ids of this LLM's requests the engine has not finished."""
+        return self.client.get_unfinished_request_ids()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (e.g. before timing a benchmark). Only possible while no
+        request runs; returns whether it happened."""
+        return self.client.call_utility("reset_prefix_cache", type=bool)
+
+    def get_stats(self) -> EngineStats:
+        """The engine's scheduler stats: running/waiting requests and KV cache usage now;
+        preemptions, prefix-cache queries/hits and computed token counts since start."""
+        return self.client.call_utility("get_stats", type=EngineStats)
+
+    def log_stats(self) -> None:
+        """Have the engine log its stats line now (it also does so every few seconds while busy)."""
+        self.client.call_utility("log_stats")
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
         output_processor = OutputProcessor(self.tokenizer)

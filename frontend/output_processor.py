@@ -53,8 +53,10 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         self.completion = CompletionOutput(index=0, text="", token_ids=[])
+        self.num_cached_tokens = 0
 
     def update(self, out: EngineCoreOutput) -> None:
+        self.num_cached_tokens = out.num_cached_tokens
         self.completion.token_ids.extend(out.new_token_ids)
         if self.detokenizer is not None:
             if out.new_token_ids:
@@ -71,6 +73,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[self.completion],
             finished=self.completion.finished(),
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 

@@ -11,6 +11,10 @@ import msgspec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# fcfs: first come first served. priority: lowest `priority` value first, ties by arrival.
+# v0: the pre-V1 two-phase scheduler (a step is all whole-prompt prefills or all decodes).
+SCHEDULING_POLICIES = ("fcfs", "priority", "v0")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -31,8 +35,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # execution
     enforce_eager: bool = False  # True: no CUDA graphs
     # scheduler
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+    # Most tokens one request may prefill in one step (0: no cap beyond the step's budget), so a
+    # long prompt cannot take a whole step from the others.
+    long_prefill_token_threshold: int = 0
+    # Reuse the KV blocks of identical prompt prefixes across requests.
+    enable_prefix_caching: bool = True
     # parallelism
     tensor_parallel_size: int = 1
 
@@ -51,9 +61,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         num_gpu_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
+        scheduling_policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
+        enable_prefix_caching: bool = True,
     ) -> "EngineConfig":
         """Validate the user's arguments and fill in what the model's config decides."""
         if not os.path.isdir(model):
@@ -62,8 +75,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _check_choice("device", device, DEVICES)
         _check_choice("load_format", load_format, LOAD_FORMATS)
         _check_at_least("block_size", block_size, 1)
-        _check_at_least("max_num_batched_tokens", max_num_batched_tokens, 1)
+        if max_num_batched_tokens is not None:
+            _check_at_least("max_num_batched_tokens", max_num_batched_tokens, 1)
         _check_at_least("max_num_seqs", max_num_seqs, 1)
+        _check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
+        _check_at_least("long_prefill_token_threshold", long_prefill_token_threshold, 0)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}.")
+        if scheduling_policy == "v0" and long_prefill_token_threshold:
+            raise ValueError("long_prefill_token_threshold caps prefill chunks, but scheduling_policy='v0' "
+                             "schedules whole prompts; leave it at 0 or use 'fcfs' / 'priority'.")
         _check_at_least("tensor_parallel_size", tensor_parallel_size, 1)
         if num_gpu_blocks is not None:
             _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
@@ -84,6 +105,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"max_model_len={max_model_len} exceeds the model's maximum length "
                 f"({derived_len}); use a value in [1, {derived_len}]."
             )
+        if scheduling_policy == "v0":
+            # V0 prefills whole prompts, so one step must hold the longest one (vLLM V0's rule);
+            # by default the budget grows to fit.
+            if max_num_batched_tokens is None:
+                max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+            elif max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"scheduling_policy='v0' prefills whole prompts, so max_num_batched_tokens "
+                    f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len}); raise "
+                    f"max_num_batched_tokens, lower max_model_len, or use 'fcfs' (chunked prefill)."
+                )
+        elif max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         return cls(
             model=os.path.abspath(model),
             tokenizer=os.path.abspath(tokenizer or model),
@@ -101,6 +135,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size,
+            scheduling_policy=scheduling_policy,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
 
@@ -127,5 +164,5 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _check_at_least(name: str, value: int, low: int) -> None:
-    if not isinstance(value, int) or value < low:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")

@@ -28,6 +28,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     arrival_time: float
     # The model's end-of-sequence ids; the scheduler stops on them unless ignore_eos.
     eos_token_ids: list[int] = []
+    # scheduling_policy="priority": lower runs first, ties by arrival_time.
+    priority: int = 0
+    # Mixed into the prefix-cache hash of the first block: only requests with the same salt
+    # share cached KV (so one tenant cannot probe another's prompts by timing).
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -62,6 +67,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_token_ids: list[int]
     finish_reason: str | None = None  # FINISH_* once the request is done
     stop_reason: int | None = None  # the stop token id that ended it, if one did
+    # Prompt tokens whose KV came from the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = 0
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
@@ -91,6 +98,31 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int
     engine_pid: int
     worker_pids: list[int]
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """The `get_stats` utility's answer: the scheduler's gauges now and its counters since start."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests (cached free blocks count as free)
+    num_gpu_blocks: int
+    num_preemptions: int
+    # Prompt tokens looked up in the prefix cache when requests were first scheduled, and how
+    # many of them were found there.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Tokens run through the model without sampling at their end: prompt chunks, and the
+    # prompt + outputs a preempted request recomputes. Cached tokens are not computed.
+    num_prefill_tokens: int
+    num_generation_tokens: int  # tokens sampled
+    num_finished_reqs: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 # ---------------------------------------------------------------- EngineCore -> workers
@@ -120,6 +152,11 @@ class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
     """One step's work. Each scheduled request runs tokens
     [num_computed_tokens, num_computed_tokens + num_scheduled_tokens[req_id]) of its known tokens;
     it samples a new token only when that range reaches the end of its known tokens.
+
+    With prefix caching a new request's first blocks may be another request's, and its
+    num_computed_tokens starts past them. Those blocks may be filled by the other request in
+    this very step: the worker must write every scheduled token's K/V in a layer before any
+    attention of that layer reads the cache (what paged-attention backends do anyway).
     """
 
     scheduled_new_reqs: list[NewRequestData]

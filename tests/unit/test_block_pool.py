@@ -44,6 +44,17 @@ def test_free_queue_popleft_append_remove_keep_order() -> None:
     assert len(queue) == 0 and queue.get_all_free_blocks() == []
 
 
+def test_free_queue_appendleft_puts_a_block_next_in_line() -> None:
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    queue = FreeKVCacheBlockQueue(blocks[:2])
+    queue.appendleft(blocks[2])
+    queue.append(blocks[3])
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [2, 0, 1, 3]
+    assert queue.popleft() is blocks[2] and len(queue) == 3
+    with pytest.raises(ValueError):
+        queue.appendleft(blocks[0])  # already queued
+
+
 def test_free_queue_misuse_raises() -> None:
     blocks = [KVCacheBlock(i) for i in range(2)]
     queue = FreeKVCacheBlockQueue(blocks)

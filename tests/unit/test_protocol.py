@@ -48,10 +48,13 @@ def test_core_imports_no_torch() -> None:
     [
         (EngineCoreRequest(request_id="a", prompt_token_ids=[1, 2], sampling_params=SamplingParams(seed=3),
                            arrival_time=1.5, eos_token_ids=[0]), engine_input_decoder),
+        (EngineCoreRequest(request_id="a", prompt_token_ids=[1], sampling_params=SamplingParams(),
+                           arrival_time=1.5, priority=-3, cache_salt="s"), engine_input_decoder),
         (AbortRequests(["a", "b"]), engine_input_decoder),
         (UtilityCall(7, "get_engine_info"), engine_input_decoder),
         (Shutdown(), engine_input_decoder),
         (EngineCoreOutputs(outputs=[EngineCoreOutput("a", [5], "stop", 5)]), engine_output_decoder),
+        (EngineCoreOutputs(outputs=[EngineCoreOutput("a", [5], num_cached_tokens=32)]), engine_output_decoder),
         (SchedulerOutput(
             scheduled_new_reqs=[NewRequestData(req_id="a", prompt_token_ids=[1], output_token_ids=[],
                                                sampling_params=SamplingParams(), block_ids=[3],
@@ -112,11 +115,29 @@ def test_engine_config_reads_the_model(tiny_llama) -> None:
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(device="tpu"), "device must be one of"),
         (dict(load_format="pt"), "load_format must be one of"),
+        (dict(scheduling_policy="lifo"), "scheduling_policy must be one of fcfs, priority, v0"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be an integer >= 0"),
+        (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be True or False"),
+        (dict(scheduling_policy="v0", long_prefill_token_threshold=8), "v0' schedules whole prompts"),
+        (dict(scheduling_policy="v0", max_num_batched_tokens=100), r"must be >= max_model_len \(512\)"),
     ],
 )
 def test_engine_config_validation(tiny_llama, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig.create(tiny_llama, **kwargs)
+
+
+def test_engine_config_scheduler_defaults(tiny_llama, tiny_model_factory) -> None:
+    config = EngineConfig.create(tiny_llama)
+    assert (config.enable_prefix_caching, config.scheduling_policy, config.long_prefill_token_threshold) == (
+        True, "fcfs", 0)
+    assert config.max_num_batched_tokens == 2048
+    # v0 prefills whole prompts: its default budget holds the longest.
+    assert EngineConfig.create(tiny_llama, scheduling_policy="v0").max_num_batched_tokens == 2048
+    long_model = tiny_model_factory("llama", max_position_embeddings=4096)
+    assert EngineConfig.create(long_model, scheduling_policy="v0").max_num_batched_tokens == 4096
+    assert EngineConfig.create(long_model).max_num_batched_tokens == 2048
+    assert EngineConfig.create(tiny_llama, scheduling_policy="v0", max_num_batched_tokens=512).max_num_batched_tokens == 512
 
 
 def test_engine_config_needs_a_model_dir(tmp_path) -> None:

@@ -1,196 +1,36 @@
-"""The V1 token-budget Scheduler, driven by a fake worker (pure Python, no torch).
-
-FakeWorker keeps per-request state the way the real worker does (full NewRequestData, then
-deltas), checks every SchedulerOutput against that state, and samples a token for exactly
-the requests whose scheduled range reaches the end of their known tokens.
-"""
+"""The V1 token-budget Scheduler, driven by a fake worker (pure Python, no torch; see
+scheduler_harness.py). Prefix caching is on (the default) but prompts share nothing unless a
+test says so; tests/unit/test_prefix_caching.py covers sharing."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
 
 from core.request import RequestStatus
-from core.scheduler import Scheduler
-from protocol.config import EngineConfig
-from protocol.messages import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    ModelRunnerOutput,
-    SchedulerOutput,
+from protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, ModelRunnerOutput, SchedulerOutput
+from tests.unit.scheduler_harness import (
+    EOS,
+    assert_no_leak,
+    cdiv,
+    default_token,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
 )
-from protocol.sampling_params import SamplingParams
 
-EOS = 2
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
-
-
-def make_config(**overrides) -> EngineConfig:
-    fields = dict(
-        model="fake-model",
-        tokenizer="fake-model",
-        max_model_len=1024,
-        vocab_size=32000,
-        eos_token_ids=[EOS],
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=16,
-    )
-    fields.update(overrides)
-    return EngineConfig(**fields)
-
-
-def make_request(
-    request_id: str,
-    num_prompt_tokens: int,
-    max_tokens: int | None = 4,
-    ignore_eos: bool = False,
-    stop_token_ids: list[int] | None = None,
-    arrival_time: float = 0.0,
-) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id,
-        # 10.. so prompts never hold the EOS id.
-        prompt_token_ids=[10 + i for i in range(num_prompt_tokens)],
-        sampling_params=SamplingParams(
-            max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids or []
-        ),
-        arrival_time=arrival_time,
-        eos_token_ids=[EOS],
-    )
-
-
-def default_token(req_id: str, position: int) -> int:
-    """A deterministic 'model': the token depends on the request and its position only."""
-    return 1000 + sum(map(ord, req_id)) * 100 + position
-
-
-@dataclass
-class WorkerRequestState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class FakeWorker:
-    scheduler: Scheduler
-    next_token: Callable[[str, int], int] = default_token
-    states: dict[str, WorkerRequestState] = field(default_factory=dict)
-    # Every NewRequestData seen, in order, for assertions about resumption.
-    new_reqs_seen: list = field(default_factory=list)
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        block_size = self.scheduler.block_size
-        for req_id in out.finished_req_ids + out.preempted_req_ids:
-            self.states.pop(req_id, None)
-        for new in out.scheduled_new_reqs:
-            assert new.req_id not in self.states, f"{new.req_id} sent in full twice"
-            self.new_reqs_seen.append(new)
-            self.states[new.req_id] = WorkerRequestState(
-                token_ids=new.prompt_token_ids + new.output_token_ids,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-            )
-        for cached in out.scheduled_cached_reqs:
-            state = self.states[cached.req_id]
-            assert state.num_computed_tokens == cached.num_computed_tokens
-            state.block_ids += cached.new_block_ids
-
-        scheduled = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
-        assert sorted(scheduled) == sorted(out.num_scheduled_tokens)
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-
-        req_ids, tokens = [], []
-        for req_id, num_tokens in out.num_scheduled_tokens.items():
-            state = self.states[req_id]
-            assert num_tokens > 0
-            end = state.num_computed_tokens + num_tokens
-            assert end <= len(state.token_ids)
-            # Exactly the blocks these tokens need, and the same ones the scheduler holds.
-            assert len(state.block_ids) == cdiv(end, block_size)
-            assert state.block_ids == self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            state.num_computed_tokens = end
-            if end == len(state.token_ids):
-                token = self.next_token(req_id, len(state.token_ids))
-                state.token_ids.append(token)
-                req_ids.append(req_id)
-                tokens.append(token)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens)
-
-
-@dataclass
-class Run:
-    """What a run to completion produced."""
-
-    scheduler_outputs: list[SchedulerOutput]
-    outputs: dict[str, list[EngineCoreOutput]]
-
-    def tokens(self, req_id: str) -> list[int]:
-        return [t for o in self.outputs[req_id] for t in o.new_token_ids]
-
-    def finish_reason(self, req_id: str) -> str | None:
-        return self.outputs[req_id][-1].finish_reason
-
-
-def step(scheduler: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    out = scheduler.schedule()
-    check_invariants(scheduler, out)
-    if out.total_num_scheduled_tokens == 0:
-        return out, scheduler.update_from_output(out, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
-    return out, scheduler.update_from_output(out, worker.execute(out))
-
-
-def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    config = scheduler.config
-    assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
-    assert len(scheduler.running) <= config.max_num_seqs
-    manager = scheduler.kv_cache_manager
-    for request in scheduler.running:
-        # After schedule(), num_computed_tokens includes this step's tokens; blocks cover exactly those.
-        assert len(manager.get_block_ids(request.request_id)) == cdiv(request.num_computed_tokens, config.block_size)
-    for request in scheduler.waiting:
-        assert request.num_computed_tokens == 0
-        assert manager.get_block_ids(request.request_id) == []
-    held = sum(len(manager.get_block_ids(r.request_id)) for r in scheduler.running)
-    assert held + manager.get_num_free_blocks() == manager.num_gpu_blocks
-
-
-def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> Run:
-    run = Run(scheduler_outputs=[], outputs={})
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
-            break
-        out, outputs = step(scheduler, worker)
-        assert out.total_num_scheduled_tokens > 0, "no progress"
-        run.scheduler_outputs.append(out)
-        for o in outputs:
-            run.outputs.setdefault(o.request_id, []).append(o)
-    else:
-        raise AssertionError("did not finish")
-    assert_no_leak(scheduler)
-    return run
-
-
-def assert_no_leak(scheduler: Scheduler) -> None:
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
-    assert scheduler.kv_cache_manager.req_to_blocks == {}
-
-
-def make_scheduler(num_gpu_blocks: int = 256, **config_overrides) -> tuple[Scheduler, FakeWorker]:
-    scheduler = Scheduler(make_config(**config_overrides), num_gpu_blocks=num_gpu_blocks)
-    return scheduler, FakeWorker(scheduler)
+def random_prompts(rng: random.Random, n: int, min_len: int, max_len: int) -> list[list[int]]:
+    """Prompts of random length, most starting with one of three shared prefixes."""
+    prefixes = [[], [7000 + i for i in range(max_len)], [8000 + i for i in range(max_len)]]
+    prompts = []
+    for i in range(n):
+        length = rng.randint(min_len, max_len)
+        prefix = rng.choice(prefixes)[: rng.randint(0, length)]
+        prompts.append(prefix + [20000 + 100 * i + j for j in range(length - len(prefix))])
+    return prompts
 
 
 # ---------------------------------------------------------------- basics
@@ -250,18 +90,20 @@ def test_add_request_rejects_bad_requests() -> None:
 # ---------------------------------------------------------------- budget and ordering
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16])
 @pytest.mark.parametrize("budget", [7, 32, 512])
-def test_random_workload_respects_budget_and_completes(block_size: int, budget: int) -> None:
+def test_random_workload_respects_budget_and_completes(block_size: int, budget: int, enable_prefix_caching: bool) -> None:
     rng = random.Random(block_size * 1000 + budget)
     scheduler, worker = make_scheduler(
-        num_gpu_blocks=cdiv(2048, block_size), block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=6
+        num_gpu_blocks=cdiv(2048, block_size), block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=6,
+        enable_prefix_caching=enable_prefix_caching,
     )
     max_tokens = {}
-    for i in range(20):
+    for i, prompt in enumerate(random_prompts(rng, 20, 1, 60)):
         req_id = f"r{i}"
         max_tokens[req_id] = rng.randint(1, 12)
-        scheduler.add_request(make_request(req_id, rng.randint(1, 60), max_tokens=max_tokens[req_id]))
+        scheduler.add_request(make_request(req_id, prompt_token_ids=prompt, max_tokens=max_tokens[req_id]))
     run = run_to_completion(scheduler, worker)
     for out in run.scheduler_outputs:
         assert out.total_num_scheduled_tokens <= budget
@@ -520,9 +362,11 @@ def test_abort_between_schedule_and_update_drops_the_token() -> None:
 
 def test_preemption_frees_the_latest_request_and_it_resumes_with_its_outputs() -> None:
     # 4 blocks of 2 slots: a and b each fill 2 with their prompts; a's first decode needs a third.
-    scheduler, worker = make_scheduler(num_gpu_blocks=4, block_size=2)
+    # Without prefix caching b recomputes everything (test_prefix_caching.py covers the rest).
+    scheduler, worker = make_scheduler(num_gpu_blocks=4, block_size=2, enable_prefix_caching=False)
     scheduler.add_request(make_request("a", 4, max_tokens=3))
-    scheduler.add_request(make_request("b", 4, max_tokens=3))
+    b_prompt = [10, 11, 12, 13]
+    scheduler.add_request(make_request("b", prompt_token_ids=b_prompt, max_tokens=3))
     out, outputs = step(scheduler, worker)
     assert len(outputs) == 2
     b_first_token = default_token("b", 4)
@@ -530,7 +374,7 @@ def test_preemption_frees_the_latest_request_and_it_resumes_with_its_outputs() -
     out, _ = step(scheduler, worker)
     assert out.preempted_req_ids == ["b"]
     assert list(out.num_scheduled_tokens) == ["a"]
-    b = scheduler.waiting[0]
+    b = scheduler.waiting.peek()
     assert (b.request_id, b.status, b.num_computed_tokens, b.num_preemptions) == ("b", RequestStatus.PREEMPTED, 0, 1)
     assert b.output_token_ids == [b_first_token]
     assert scheduler.kv_cache_manager.get_block_ids("b") == []
@@ -539,7 +383,7 @@ def test_preemption_frees_the_latest_request_and_it_resumes_with_its_outputs() -
     resumed = [n for n in worker.new_reqs_seen if n.req_id == "b"][-1]
     assert resumed.output_token_ids == [b_first_token]
     assert resumed.num_computed_tokens == 0
-    assert resumed.prompt_token_ids == [10, 11, 12, 13]
+    assert resumed.prompt_token_ids == b_prompt
     resumed_out = next(o for o in run.scheduler_outputs if any(n.req_id == "b" for n in o.scheduled_new_reqs))
     assert resumed_out.num_scheduled_tokens["b"] == 5  # prompt + the output token, recomputed
     assert len(run.tokens("b")) == 2  # plus the one before preemption = 3
@@ -584,33 +428,208 @@ def test_no_admission_in_a_step_with_preemption() -> None:
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "v0"])
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
 @pytest.mark.parametrize("block_size", [1, 2, 4])
-def test_tiny_block_pool_completes_every_request_with_preemptions(block_size: int) -> None:
+def test_tiny_block_pool_completes_every_request_with_preemptions(
+    block_size: int, enable_prefix_caching: bool, policy: str
+) -> None:
     max_model_len = 24
     scheduler, worker = make_scheduler(
         num_gpu_blocks=cdiv(max_model_len, block_size),
         block_size=block_size,
         max_model_len=max_model_len,
-        max_num_batched_tokens=16,
+        # v0 prefills whole prompts (+ outputs, after a preemption): the budget must hold them.
+        max_num_batched_tokens=max_model_len if policy == "v0" else 16,
+        scheduling_policy=policy,
+        enable_prefix_caching=enable_prefix_caching,
     )
     rng = random.Random(block_size)
-    prompt_lens = [rng.randint(1, 12) for _ in range(8)]
-    for i, prompt_len in enumerate(prompt_lens):
-        scheduler.add_request(make_request(f"r{i}", prompt_len, max_tokens=8))
+    prompts = random_prompts(rng, 8, 1, 12)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(
+            make_request(f"r{i}", prompt_token_ids=prompt, max_tokens=8, priority=rng.randint(0, 2))
+        )
     run = run_to_completion(scheduler, worker)
     preempted = [req_id for out in run.scheduler_outputs for req_id in out.preempted_req_ids]
     assert preempted, "the pool should be too small to avoid preemption"
+    assert scheduler.num_preemptions == len(preempted)
     for i in range(8):
         req_id = f"r{i}"
         # Preemption keeps generated tokens: exactly max_tokens in total, each seen once.
-        assert run.tokens(req_id) == [default_token(req_id, prompt_lens[i] + k) for k in range(8)]
+        assert run.tokens(req_id) == [default_token(req_id, len(prompts[i]) + k) for k in range(8)]
         assert run.finish_reason(req_id) == FINISH_LENGTH
-    # Every resumption restarts from token 0 with the outputs generated so far (none if the
-    # request was preempted mid-prefill).
+    # Every resumption restarts with the outputs generated so far (none if the request was
+    # preempted mid-prefill), from token 0 — or, with prefix caching, past its blocks still cached
+    # (FakeWorker checks those hold the request's own prefix).
     for req_id in set(preempted):
         sent = [n for n in worker.new_reqs_seen if n.req_id == req_id]
         assert len(sent) == 1 + preempted.count(req_id)
         for n in sent:
-            assert n.num_computed_tokens == 0
+            num_known = len(n.prompt_token_ids) + len(n.output_token_ids)
+            if enable_prefix_caching:
+                assert n.num_computed_tokens % block_size == 0 and n.num_computed_tokens < num_known
+            else:
+                assert n.num_computed_tokens == 0
             assert n.output_token_ids == run.tokens(req_id)[: len(n.output_token_ids)]
     assert any(n.output_token_ids for n in worker.new_reqs_seen), "some request resumed mid-decode"
+
+
+# ---------------------------------------------------------------- policies
+
+
+def admitted_order(run) -> list[str]:
+    return [n.req_id for out in run.scheduler_outputs for n in out.scheduled_new_reqs]
+
+
+def test_priority_policy_admits_lowest_priority_value_first_ties_by_arrival() -> None:
+    scheduler, worker = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    for req_id, priority, arrival in [("p3", 3, 0.0), ("p1-late", 1, 2.0), ("p2", 2, 1.0), ("p1", 1, 1.0),
+                                      ("p1-same-time", 1, 1.0), ("p0", 0, 5.0)]:
+        scheduler.add_request(make_request(req_id, 3, max_tokens=2, priority=priority, arrival_time=arrival))
+    assert [r.request_id for r in scheduler.waiting] == ["p0", "p1", "p1-same-time", "p1-late", "p2", "p3"]
+    run = run_to_completion(scheduler, worker)
+    assert admitted_order(run) == ["p0", "p1", "p1-same-time", "p1-late", "p2", "p3"]
+
+
+def test_fcfs_policy_ignores_priority() -> None:
+    scheduler, worker = make_scheduler(max_num_seqs=1)
+    for i, priority in enumerate([3, 0, 1]):
+        scheduler.add_request(make_request(f"r{i}", 3, max_tokens=1, priority=priority, arrival_time=float(i)))
+    assert admitted_order(run_to_completion(scheduler, worker)) == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("policy, victim", [("fcfs", "high"), ("priority", "low")])
+def test_preemption_victim_is_the_latest_admitted_or_the_lowest_priority(policy: str, victim: str) -> None:
+    # 6 blocks of 2. "low" (priority 5) runs first; "high" (priority 0) is admitted a step later.
+    # When both grow past the pool, fcfs preempts the latest admitted, priority the lowest priority.
+    scheduler, worker = make_scheduler(num_gpu_blocks=6, block_size=2, scheduling_policy=policy)
+    scheduler.add_request(make_request("low", 4, max_tokens=8, priority=5, arrival_time=0.0))
+    step(scheduler, worker)
+    scheduler.add_request(make_request("high", 4, max_tokens=8, priority=0, arrival_time=1.0))
+    run = run_to_completion(scheduler, worker)
+    preempted = [r for out in run.scheduler_outputs for r in out.preempted_req_ids]
+    assert preempted and set(preempted) == {victim}
+    assert len(run.tokens("high")) == 8 and len(run.tokens("low")) == 7  # low's first came before
+
+
+def test_priority_policy_serves_running_requests_in_priority_order() -> None:
+    # With a budget too small for every decode, the important requests decode first.
+    scheduler, worker = make_scheduler(max_num_batched_tokens=2, scheduling_policy="priority")
+    for req_id, priority in [("c", 2), ("a", 0), ("b", 1)]:
+        scheduler.add_request(make_request(req_id, 1, max_tokens=5, priority=priority))
+    out, _ = step(scheduler, worker)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    out, _ = step(scheduler, worker)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]  # c still waits: no seat in the budget
+    run_to_completion(scheduler, worker)
+
+
+def test_abort_a_waiting_request_under_the_priority_policy() -> None:
+    scheduler, worker = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    for req_id, priority in [("a", 0), ("b", 1), ("c", 2)]:
+        scheduler.add_request(make_request(req_id, 3, max_tokens=2, priority=priority))
+    step(scheduler, worker)
+    assert [o.request_id for o in scheduler.abort_requests(["b"])] == ["b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    assert admitted_order(run_to_completion(scheduler, worker)) == ["c"]
+
+
+def test_v0_steps_are_all_whole_prompt_prefills_or_all_decodes() -> None:
+    rng = random.Random(5)
+    scheduler, worker = make_scheduler(
+        num_gpu_blocks=40, block_size=4, max_num_batched_tokens=96, max_model_len=96, scheduling_policy="v0"
+    )
+    prompts = random_prompts(rng, 12, 1, 40)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(make_request(f"r{i}", prompt_token_ids=prompt, max_tokens=rng.randint(1, 10)))
+    run = run_to_completion(scheduler, worker)
+    kinds = []
+    for out in run.scheduler_outputs:
+        if out.scheduled_new_reqs:
+            assert out.scheduled_cached_reqs == [], "a v0 prefill step runs no decodes"
+            for new in out.scheduled_new_reqs:  # whole prompt (and outputs, if resumed) at once
+                num_known = len(new.prompt_token_ids) + len(new.output_token_ids)
+                assert new.num_computed_tokens + out.num_scheduled_tokens[new.req_id] == num_known
+            kinds.append("prefill")
+        else:
+            assert set(out.num_scheduled_tokens.values()) == {1}
+            kinds.append("decode")
+    assert "prefill" in kinds and "decode" in kinds
+
+
+def test_v0_stalls_running_decodes_for_a_new_prompt_and_v1_does_not() -> None:
+    for policy, expected in [("v0", {"b": 30}), ("fcfs", {"a": 1, "b": 30})]:
+        scheduler, worker = make_scheduler(max_num_batched_tokens=64, scheduling_policy=policy)
+        scheduler.add_request(make_request("a", 5, max_tokens=10))
+        step(scheduler, worker)
+        scheduler.add_request(make_request("b", 30, max_tokens=1))
+        out, _ = step(scheduler, worker)
+        assert out.num_scheduled_tokens == expected, policy
+        run_to_completion(scheduler, worker)
+
+
+def test_v0_waits_for_a_budget_that_holds_the_whole_prompt() -> None:
+    scheduler, worker = make_scheduler(max_num_batched_tokens=20, max_model_len=20, scheduling_policy="v0")
+    scheduler.add_request(make_request("a", 15, max_tokens=1))
+    scheduler.add_request(make_request("b", 10, max_tokens=1))
+    out, _ = step(scheduler, worker)
+    assert out.num_scheduled_tokens == {"a": 15}  # b is not chunked into the 5 left
+    out, _ = step(scheduler, worker)
+    assert out.num_scheduled_tokens == {"b": 10}
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_long_prefill_token_threshold_caps_each_requests_chunk() -> None:
+    scheduler, worker = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    scheduler.add_request(make_request("a", 23, max_tokens=2))
+    scheduler.add_request(make_request("b", 12, max_tokens=2))
+    scheduler.add_request(make_request("c", 3, max_tokens=2))
+    chunks = []
+    while scheduler.has_unfinished_requests():
+        out, _ = step(scheduler, worker)
+        chunks.append(dict(out.num_scheduled_tokens))
+    # Long prompts advance side by side, 5 tokens a step, instead of one taking the whole budget.
+    assert chunks[:3] == [{"a": 5, "b": 5, "c": 3}, {"a": 5, "b": 5, "c": 1}, {"a": 5, "b": 2}]
+    assert [c.get("a") for c in chunks[3:5]] == [5, 3]
+    assert all(max(c.values()) <= 5 for c in chunks)
+
+
+def test_request_that_could_never_fit_the_kv_cache_is_rejected_at_admission() -> None:
+    # 4 blocks of 4 = 16 tokens in the whole cache.
+    scheduler, worker = make_scheduler(num_gpu_blocks=4, block_size=4, max_model_len=1024)
+    with pytest.raises(ValueError, match="more than the KV cache holds"):
+        scheduler.add_request(make_request("too-long", 10, max_tokens=7))
+    with pytest.raises(ValueError, match="more than the KV cache holds"):
+        scheduler.add_request(make_request("unbounded", 2, max_tokens=None))  # may reach max_model_len
+    scheduler.add_request(make_request("fits", 10, max_tokens=6))
+    assert scheduler.get_num_unfinished_requests() == 1
+    assert len(run_to_completion(scheduler, worker).tokens("fits")) == 6
+
+    scheduler, worker = make_scheduler(num_gpu_blocks=4, block_size=4, max_model_len=16)
+    scheduler.add_request(make_request("capped-by-max-model-len", 2, max_tokens=None))
+    assert len(run_to_completion(scheduler, worker).tokens("capped-by-max-model-len")) == 14
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_stats_count_tokens_requests_and_cache_usage() -> None:
+    scheduler, worker = make_scheduler(num_gpu_blocks=10, block_size=4, max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", 10, max_tokens=3))
+    scheduler.add_request(make_request("b", 3, max_tokens=2))
+    stats = scheduler.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 2, 0.0)
+    step(scheduler, worker)  # a: 8 of 10 prompt tokens; b waits for budget
+    stats = scheduler.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 1)
+    assert stats.kv_cache_usage == pytest.approx(2 / 10)
+    assert stats.num_prefill_tokens == 8 and stats.num_generation_tokens == 0
+    run_to_completion(scheduler, worker)
+    stats = scheduler.make_stats()
+    assert stats.num_prefill_tokens == 10 + 3  # decodes are not prefill
+    assert stats.num_generation_tokens == 3 + 2
+    assert (stats.num_finished_reqs, stats.num_preemptions, stats.kv_cache_usage) == (2, 0, 0.0)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_cache_hit_rate) == (13, 0, 0.0)

@@ -1,0 +1,331 @@
+"""Prefix caching (pure Python, no torch): block hashes, hits and ref counts, eviction order, salts,
+all-or-nothing allocation, and the scheduler using hits (same step, after preemption)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from core.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
+from core.kv_cache_manager import KVCacheManager
+from core.request import Request
+from protocol.sampling_params import SamplingParams
+from tests.unit.scheduler_harness import default_token, make_request, make_scheduler, run_to_completion, step
+
+BLOCK_SIZE = 4
+
+
+def make_req(request_id: str, token_ids: list[int], cache_salt: str | None = None) -> Request:
+    return Request(request_id, token_ids, SamplingParams(), arrival_time=0.0, cache_salt=cache_salt)
+
+
+def compute(manager: KVCacheManager, request: Request, num_tokens: int | None = None) -> list[int]:
+    """Admit a request the way the scheduler does (taking its cache hit) and mark `num_tokens`
+    (default: all) as computed; returns its block ids."""
+    hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+    num_new = (request.num_tokens if num_tokens is None else num_tokens) - num_hit_tokens
+    assert manager.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is not None
+    request.num_computed_tokens = num_hit_tokens + num_new
+    return manager.get_block_ids(request.request_id)
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    return [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+
+
+def ref_counts(pool: BlockPool) -> list[int]:
+    return [block.ref_cnt for block in pool.blocks]
+
+
+# ---------------------------------------------------------------- hashes
+
+
+def test_block_hash_chains_the_parent_and_extra_keys() -> None:
+    tokens = list(range(100, 112))
+    h0 = hash_block_tokens(None, tokens[0:4])
+    h1 = hash_block_tokens(h0, tokens[4:8])
+    h2 = hash_block_tokens(h1, tokens[8:12])
+    assert hash_request_blocks(tokens, 4) == [h0, h1, h2]
+    assert hash_request_blocks(tokens + [7, 7], 4) == [h0, h1, h2]  # a partial block has no hash
+    # Resuming the chain part-way gives the same hashes.
+    assert hash_request_blocks(tokens[8:], 4, parent_block_hash=h1, first_block_index=2) == [h2]
+    # The same tokens after a different prefix are a different block.
+    assert hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4]), tokens[4:8]) != h1
+    assert hash_block_tokens(None, tokens[4:8]) != h1
+    # A salt changes the first block, and through the chain every later one.
+    salted = hash_request_blocks(tokens, 4, cache_salt="tenant-a")
+    assert all(s != h for s, h in zip(salted, [h0, h1, h2]))
+    assert hash_request_blocks(tokens, 4, cache_salt="tenant-a") == salted
+    assert hash_request_blocks(tokens, 4, cache_salt="tenant-b")[0] != salted[0]
+    assert len(h0) == 32  # sha256
+
+
+def test_block_hashes_do_not_depend_on_the_process() -> None:
+    code = "from core.block_pool import hash_request_blocks as h; print(h([5, 6, 7, 8], 4, 'salt')[0].hex())"
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert other.stdout.strip() == hash_request_blocks([5, 6, 7, 8], 4, "salt")[0].hex()
+
+
+def test_request_block_hashes_extend_as_outputs_fill_blocks() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 16, enable_caching=True)
+    request = make_req("a", list(range(100, 106)))
+    compute(manager, request)
+    assert request.block_hashes == hash_request_blocks(list(range(100, 106)), 4)  # 1 full block
+    request.output_token_ids += [1, 2]  # 8 tokens: block 1 is full now
+    manager.allocate_slots(request, 2)
+    assert request.block_hashes == hash_request_blocks(list(range(100, 106)) + [1, 2], 4)
+    manager.free(request)
+
+
+# ---------------------------------------------------------------- hits and ref counts
+
+
+def test_shared_prefix_hit_takes_the_blocks_with_ref_count_2() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 16, enable_caching=True)
+    pool = manager.block_pool
+    prefix = list(range(100, 108))  # two full blocks
+    a = make_req("a", prefix + [1, 2, 3])
+    a_blocks = compute(manager, a)
+    assert a_blocks == [0, 1, 2]
+
+    b = make_req("b", prefix + [9, 9, 9, 9, 9])
+    hit_blocks, num_hit_tokens = manager.get_computed_blocks(b)
+    assert [blk.block_id for blk in hit_blocks] == [0, 1] and num_hit_tokens == 8
+    b_blocks = compute(manager, b)
+    assert b_blocks[:2] == [0, 1] and set(b_blocks[2:]).isdisjoint(a_blocks)
+    assert [pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [2, 2, 1]
+
+    manager.free(a)  # shared blocks stay held by b
+    assert [pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [1, 1, 0]
+    assert 0 not in free_ids(pool) and 1 not in free_ids(pool)
+    manager.free(b)
+    assert ref_counts(pool) == [0] * 16 and pool.get_num_free_blocks() == 16
+    # Freed, yet still cached: a third request hits them, pulling them out of the free queue.
+    c = make_req("c", prefix + [5])
+    assert compute(manager, c)[:2] == [0, 1]
+    assert pool.blocks[0].ref_cnt == 1 and 0 not in free_ids(pool)
+    manager.free(c)
+
+
+def test_the_last_token_is_always_computed() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 16, enable_caching=True)
+    prompt = list(range(100, 108))  # exactly two blocks
+    a = make_req("a", prompt)
+    compute(manager, a)
+    # A fully cached prompt still computes its last block: its last token's logits are needed.
+    assert manager.get_computed_blocks(make_req("b", prompt))[1] == 4
+    assert manager.get_computed_blocks(make_req("c", prompt + [1]))[1] == 8
+    assert manager.get_computed_blocks(make_req("d", prompt[:3]))[1] == 0
+    manager.free(a)
+
+
+def test_hit_stops_at_the_first_missing_block() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 16, enable_caching=True)
+    a = make_req("a", list(range(100, 112)))
+    compute(manager, a)
+    changed_middle = list(range(100, 104)) + [0, 0, 0, 0] + list(range(108, 112)) + [1]
+    assert manager.get_computed_blocks(make_req("b", changed_middle))[1] == 4
+    manager.free(a)
+
+
+def test_cache_salt_gives_a_miss() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 16, enable_caching=True)
+    prompt = list(range(100, 109))
+    a = make_req("a", prompt, cache_salt="alice")
+    compute(manager, a)
+    assert manager.get_computed_blocks(make_req("b", prompt, cache_salt="bob"))[1] == 0
+    assert manager.get_computed_blocks(make_req("c", prompt))[1] == 0
+    assert manager.get_computed_blocks(make_req("d", prompt, cache_salt="alice"))[1] == 8
+    manager.free(a)
+
+
+def test_prefix_caching_off_never_hits_or_hashes() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 8, enable_caching=False)
+    a = make_req("a", list(range(100, 109)))
+    compute(manager, a)
+    assert manager.get_computed_blocks(make_req("b", list(range(100, 109)))) == ([], 0)
+    assert manager.block_pool.cached_block_hash_to_block == {} and a.block_hashes == []
+    manager.free(a)
+    assert free_ids(manager.block_pool) == [3, 4, 5, 6, 7, 2, 1, 0]  # plain LRU: freed to the tail
+
+
+# ---------------------------------------------------------------- eviction
+
+
+def test_a_requests_tail_blocks_are_evicted_first() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 4, enable_caching=True)
+    pool = manager.block_pool
+    prompt = list(range(100, 115))  # 3 full blocks + 3 tokens
+    a = make_req("a", prompt)
+    assert compute(manager, a) == [0, 1, 2, 3]
+    manager.free(a)
+    # The partial block holds nothing reusable: it is handed out first. Then the full blocks,
+    # last block first, so the shared-from-the-start prefix survives longest.
+    assert free_ids(pool) == [3, 2, 1, 0]
+    assert [blk.block_id for blk in pool.get_new_blocks(2)] == [3, 2]
+    assert len(pool.cached_block_hash_to_block) == 2  # block 2's hash was evicted
+    assert manager.get_computed_blocks(make_req("b", prompt))[1] == 8  # blocks 0 and 1 still hit
+    pool.free_blocks(pool.blocks[2:4])
+
+
+def test_least_recently_freed_request_is_evicted_first() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 4, enable_caching=True)
+    pool = manager.block_pool
+    a, b = make_req("a", list(range(100, 108))), make_req("b", list(range(200, 208)))
+    compute(manager, a)
+    compute(manager, b)
+    manager.free(a)
+    manager.free(b)
+    assert free_ids(pool) == [1, 0, 3, 2]
+    pool.get_new_blocks(2)  # a's blocks go
+    assert manager.get_computed_blocks(make_req("a2", list(range(100, 109))))[1] == 0
+    assert manager.get_computed_blocks(make_req("b2", list(range(200, 209))))[1] == 8
+    pool.free_blocks(pool.blocks[0:2])
+
+
+def test_cached_blocks_are_not_evicted_while_uncached_free_blocks_exist() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 10, enable_caching=True)
+    pool = manager.block_pool
+    a = make_req("a", list(range(100, 112)))  # 3 full blocks, all cached
+    compute(manager, a)
+    scratch = make_req("s", list(range(300, 302)))  # 1 partial block
+    compute(manager, scratch)
+    manager.free(a)
+    manager.free(scratch)  # uncached: back to the head, ahead of a's cached blocks
+    taken = pool.get_new_blocks(7)
+    assert {blk.block_id for blk in taken}.isdisjoint({0, 1, 2})
+    assert len(pool.cached_block_hash_to_block) == 3
+    more = pool.get_new_blocks(1)  # only cached blocks are left: the LRU one goes
+    assert more[0].block_id == 2 and len(pool.cached_block_hash_to_block) == 2
+    pool.free_blocks(taken + more)
+
+
+def test_failed_allocation_with_a_hit_changes_nothing() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 5, enable_caching=True)
+    pool = manager.block_pool
+    prefix = list(range(100, 108))
+    a = make_req("a", prefix)
+    compute(manager, a)
+    manager.free(a)  # blocks 0, 1 cached and free
+    hog = make_req("hog", list(range(500, 508)))
+    compute(manager, hog)  # takes 2 of the 3 uncached blocks
+    before = (ref_counts(pool), free_ids(pool), dict(pool.cached_block_hash_to_block))
+
+    b = make_req("b", prefix + list(range(900, 910)))  # hits 2 blocks, needs 3 more: 5 > 3 free
+    hit_blocks, num_hit_tokens = manager.get_computed_blocks(b)
+    assert num_hit_tokens == 8
+    assert manager.allocate_slots(b, b.num_tokens - 8, num_hit_tokens, hit_blocks) is None
+    assert (ref_counts(pool), free_ids(pool), dict(pool.cached_block_hash_to_block)) == before
+    assert "b" not in manager.req_to_blocks
+    manager.free(hog)
+    assert ref_counts(pool) == [0] * 5
+
+
+def test_reset_prefix_cache_only_when_no_block_is_in_use() -> None:
+    manager = KVCacheManager(BLOCK_SIZE, 8, enable_caching=True)
+    prompt = list(range(100, 109))
+    a = make_req("a", prompt)
+    compute(manager, a)
+    manager.record_prefix_cache_lookup(9, 0)
+    assert manager.reset_prefix_cache() is False  # a still holds blocks
+    manager.free(a)
+    assert manager.reset_prefix_cache() is True
+    assert manager.block_pool.cached_block_hash_to_block == {}
+    assert all(blk.block_hash is None for blk in manager.block_pool.blocks)
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (0, 0)
+    assert manager.get_computed_blocks(make_req("b", prompt))[1] == 0
+
+
+# ---------------------------------------------------------------- the scheduler with hits
+
+
+def test_scheduler_hit_skips_the_cached_prefix_and_reports_it() -> None:
+    scheduler, worker = make_scheduler(block_size=4)
+    prefix = list(range(100, 108))
+    scheduler.add_request(make_request("a", prompt_token_ids=prefix + [1, 2], max_tokens=2))
+    run_to_completion(scheduler, worker)
+    a_blocks = [n.block_ids for n in worker.new_reqs_seen if n.req_id == "a"][0]
+
+    scheduler.add_request(make_request("b", prompt_token_ids=prefix + [5, 6, 7], max_tokens=2))
+    out, outputs = step(scheduler, worker)
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 8 and out.num_scheduled_tokens == {"b": 3}
+    assert new.block_ids[:2] == a_blocks[:2]
+    assert outputs[0].num_cached_tokens == 8
+    run = run_to_completion(scheduler, worker)
+    assert run.outputs["b"][-1].num_cached_tokens == 8
+    stats = scheduler.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10 + 11, 8)
+    assert stats.num_prefill_tokens == 10 + 3  # the 8 cached tokens were not computed
+
+
+def test_requests_admitted_in_one_step_share_the_blocks_computed_in_it() -> None:
+    scheduler, worker = make_scheduler(block_size=4, max_num_batched_tokens=64)
+    prompt = list(range(100, 113))  # 3 full blocks + 1
+    for req_id in ("a", "b", "c"):
+        scheduler.add_request(make_request(req_id, prompt_token_ids=prompt, max_tokens=3))
+    out, outputs = step(scheduler, worker)  # FakeWorker checks b and c read a's K/V
+    assert out.num_scheduled_tokens == {"a": 13, "b": 1, "c": 1}
+    assert [n.num_computed_tokens for n in out.scheduled_new_reqs] == [0, 12, 12]
+    assert [o.num_cached_tokens for o in outputs] == [0, 12, 12]
+    assert scheduler.kv_cache_manager.block_pool.blocks[0].ref_cnt == 3
+    run = run_to_completion(scheduler, worker)
+    for req_id in ("a", "b", "c"):
+        assert run.tokens(req_id) == [default_token(req_id, 13 + k) for k in range(1, 3)]
+
+
+def test_a_chunked_prompt_shares_its_finished_chunks_in_the_same_step() -> None:
+    scheduler, worker = make_scheduler(block_size=4, max_num_batched_tokens=10, long_prefill_token_threshold=9)
+    prompt = list(range(100, 120))
+    scheduler.add_request(make_request("a", prompt_token_ids=prompt, max_tokens=1))
+    scheduler.add_request(make_request("b", prompt_token_ids=prompt[:9], max_tokens=1))
+    out, _ = step(scheduler, worker)  # a: tokens 0-8 (blocks 0, 1 full); b hits them
+    assert out.num_scheduled_tokens == {"a": 9, "b": 1}
+    assert out.scheduled_new_reqs[1].num_computed_tokens == 8
+    run_to_completion(scheduler, worker)
+
+
+def test_a_hit_is_counted_once_however_long_the_request_waits() -> None:
+    scheduler, worker = make_scheduler(num_gpu_blocks=6, block_size=4, max_num_seqs=1)
+    prompt = list(range(100, 109))
+    scheduler.add_request(make_request("a", prompt_token_ids=prompt, max_tokens=6))
+    scheduler.add_request(make_request("b", prompt_token_ids=prompt, max_tokens=1))
+    run = run_to_completion(scheduler, worker)  # b waits for a's seat for several steps
+    assert run.outputs["b"][-1].num_cached_tokens == 8
+    stats = scheduler.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
+
+
+def test_preempted_request_resumes_from_its_cached_blocks_with_the_same_tokens() -> None:
+    # 7 blocks of 2: a (prompt 6) and b (prompt 6) fill 6; decoding a needs more, so b (the
+    # last admitted) is preempted. Its freed prompt blocks stay cached at the back of the free
+    # queue, and a's growth takes b's tail first: b resumes past its surviving blocks.
+    scheduler, worker = make_scheduler(num_gpu_blocks=7, block_size=2)
+    scheduler.add_request(make_request("a", 6, max_tokens=4))
+    scheduler.add_request(make_request("b", 6, max_tokens=4))
+    run = run_to_completion(scheduler, worker)
+    preempted = [r for out in run.scheduler_outputs for r in out.preempted_req_ids]
+    assert preempted == ["b"]
+    first, resumed = [n for n in worker.new_reqs_seen if n.req_id == "b"]
+    assert first.num_computed_tokens == 0
+    assert resumed.output_token_ids == [default_token("b", 6)]
+    assert resumed.num_computed_tokens > 0, "the resumed request should hit its own cached blocks"
+    assert run.tokens("b") == [default_token("b", 6 + k) for k in range(4)]
+    assert run.outputs["b"][-1].num_cached_tokens == 0  # reported for the first admission only
+    assert scheduler.make_stats().num_preemptions == 1
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_reset_prefix_cache_through_the_scheduler(enable_prefix_caching: bool) -> None:
+    scheduler, worker = make_scheduler(block_size=4, enable_prefix_caching=enable_prefix_caching)
+    prompt = list(range(100, 109))
+    scheduler.add_request(make_request("a", prompt_token_ids=prompt, max_tokens=1))
+    run_to_completion(scheduler, worker)
+    assert scheduler.reset_prefix_cache() is True
+    scheduler.add_request(make_request("b", prompt_token_ids=prompt, max_tokens=1))
+    run = run_to_completion(scheduler, worker)
+    assert run.outputs["b"][-1].num_cached_tokens == 0
