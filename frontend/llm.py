@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from frontend.chat import Conversation, as_conversations, render_chat_prompt
 from frontend.core_client import EngineCoreClient
 from frontend.input_processor import InputProcessor, PromptType
 from frontend.model_download import resolve_model
@@ -100,6 +101,23 @@ class LLM:
             for prompt, params in zip(prompts, params_list)
         ]
         return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the next message of each conversation, rendered with the tokenizer's chat
+        template (or `chat_template`). `messages`: one conversation, a list of
+        {"role": ..., "content": ...} dicts, or a list of conversations."""
+        prompts = [
+            render_chat_prompt(self.tokenizer, conversation, chat_template, add_generation_prompt)
+            for conversation in as_conversations(messages)
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
         output_processor = OutputProcessor(self.tokenizer)
