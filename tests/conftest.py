@@ -14,23 +14,23 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from tests.tiny_models import ARCHS, build_tiny_model  # noqa: E402
+from tests.tiny_models import ARCHS, TINY_CHAT_TEMPLATE, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """`tiny_model_factory(arch="llama", seed=0, **config_overrides) -> model dir`.
+    """`tiny_model_factory(arch="llama", seed=0, chat_template=None, **config_overrides) -> model dir`.
 
     Each distinct (arch, seed, overrides) is built once per session and reused.
     """
     root = tmp_path_factory.mktemp("tiny_models")
     cache: dict[str, str] = {}
 
-    def factory(arch: str = "llama", seed: int = 0, **config_overrides: Any) -> str:
-        key = json.dumps([arch, seed, config_overrides], sort_keys=True)
+    def factory(arch: str = "llama", seed: int = 0, chat_template: str | None = None, **config_overrides: Any) -> str:
+        key = json.dumps([arch, seed, chat_template, config_overrides], sort_keys=True)
         if key not in cache:
             path = str(root / f"{arch}-{seed}-{len(cache)}")
-            cache[key] = build_tiny_model(path, arch=arch, seed=seed, **config_overrides)
+            cache[key] = build_tiny_model(path, arch=arch, seed=seed, chat_template=chat_template, **config_overrides)
         return cache[key]
 
     return factory
@@ -40,6 +40,21 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 def tiny_llama(tiny_model_factory: Callable[..., str]) -> str:
     """The default tiny Llama model directory."""
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama(tiny_model_factory: Callable[..., str]) -> str:
+    """The default tiny Llama with a chat template (TINY_CHAT_TEMPLATE)."""
+    return tiny_model_factory("llama", chat_template=TINY_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The default model (SmolLM2-135M-Instruct) converted into the model cache: the first run on
+    a machine fetches and converts it (~40 s), later runs reuse it. MINIVLLM_CACHE applies."""
+    from frontend.model_download import download_default_model
+
+    return str(download_default_model())
 
 
 @pytest.fixture(scope="session", params=ARCHS)

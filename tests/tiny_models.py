@@ -38,6 +38,14 @@ In the beginning the engine was small, and then it grew into something useful fo
 """
 
 
+# A small chat template over the tiny vocabulary (its one special token stands in for BOS), for
+# tests of chat rendering and of `minivllm generate`'s chat default.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def _common_config(seed: int) -> dict[str, Any]:
     return dict(
         vocab_size=512,
@@ -133,8 +141,12 @@ def build_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
     )
 
 
-def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **config_overrides: Any) -> str:
+def build_tiny_model(
+    path: str, arch: str = "llama", seed: int = 0, chat_template: str | None = None, **config_overrides: Any
+) -> str:
     """Write a tiny random `arch` checkpoint + tokenizer to `path`; return `path`.
+
+    chat_template: saved with the tokenizer (e.g. TINY_CHAT_TEMPLATE); none by default.
 
     config_overrides go straight into the HF config (e.g. attention_bias=True, mlp_bias=True,
     num_hidden_layers=1, tie_word_embeddings=True).
@@ -154,7 +166,9 @@ def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, **config_ove
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
 
-    build_tiny_tokenizer().save_pretrained(path)
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
     GenerationConfig(
         bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, do_sample=False
     ).save_pretrained(path)

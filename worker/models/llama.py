@@ -84,9 +84,11 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params = dict(params)
+        params = getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
+    if "rope_theta" not in params:
+        # transformers 4 keeps theta beside rope_scaling; 10000 is what its Llama config defaults to.
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
     return params
 
