@@ -114,7 +114,11 @@ def main() -> None:
 
     b = runner.input_batch
     sm = SamplingMetadata.from_arrays(b.temperature[rows], b.top_k[rows], b.top_p[rows], [None] * args.batch, "cuda")
-    print(f"  sampler (temperature {args.temperature}): {cuda_time_ms(lambda: runner.sampler(logits, sm)):.2f} ms")
+    print(f"  torch sampler (temperature {args.temperature}): {cuda_time_ms(lambda: runner.sampler(logits, sm)):.2f} ms")
+    seeds = np.arange(args.batch)
+    fused = lambda: runner.sampler.sample_rows(logits, b.temperature[rows], b.top_k[rows], b.top_p[rows],  # noqa: E731
+                                               [None] * args.batch, seeds)
+    print(f"  fused sampler (temperature {args.temperature}): {cuda_time_ms(fused):.2f} ms")
     attn = model.model.layers[0].self_attn
     from worker.attention.triton_attention import paged_attention
 

@@ -85,7 +85,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if scheduling_policy == "v0" and long_prefill_token_threshold:
             raise ValueError("long_prefill_token_threshold caps prefill chunks, but scheduling_policy='v0' "
                              "schedules whole prompts; leave it at 0 or use 'fcfs' / 'priority'.")
-        _check_at_least("tensor_parallel_size", tensor_parallel_size, 1)
+        if tensor_parallel_size != 1:  # the sharded model and its collectives are not written yet
+            raise ValueError(f"tensor_parallel_size must be 1: tensor parallelism is not implemented yet "
+                             f"(got {tensor_parallel_size}).")
         if num_gpu_blocks is not None:
             _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
         if not 0.0 < gpu_memory_utilization <= 1.0:

@@ -58,6 +58,7 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.seed = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no seed of its own
 
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -100,6 +101,7 @@ class InputBatch:
         self.temperature[row] = params.temperature
         self.top_k[row] = max(params.top_k, 0)
         self.top_p[row] = params.top_p
+        self.seed[row] = -1 if params.seed is None else params.seed
         self.generators[row] = (
             None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         )

@@ -72,6 +72,7 @@ class ModelRunner:
         logger.info("model loaded on %s (%s): %s", self.device, self.dtype, describe(self.model))
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.seed_rng = np.random.default_rng(config.seed)  # row seeds of the fused CUDA sampler
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.device)
         self.buffers: StepBuffers | None = None
         if self.device.type == "cuda":  # persistent inputs: graphs read them, steps copy into them
@@ -202,11 +203,17 @@ class ModelRunner:
         logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden_states[logits_indices])
         batch, rows = self.input_batch, step.sampling_rows
-        sampling_metadata = SamplingMetadata.from_arrays(
-            batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-            [batch.generators[r] for r in rows], self.device,
-        )
-        sampled = self.sampler(logits, sampling_metadata).tolist()  # the step's one device->host sync
+        generators = [batch.generators[r] for r in rows]
+        if self.device.type == "cuda":
+            from worker.fused_sampling import row_seeds  # Triton: CUDA builds only
+
+            seeds = row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
+            sampled_ids = self.sampler.sample_rows(logits, batch.temperature[rows], batch.top_k[rows],
+                                                   batch.top_p[rows], generators, seeds)
+        else:
+            sampled_ids = self.sampler(logits, SamplingMetadata.from_arrays(
+                batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], generators, self.device))
+        sampled = sampled_ids.tolist()  # the step's one device->host sync
         batch.append_sampled(rows, sampled)
         sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
         return ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled)

@@ -78,6 +78,27 @@ class Sampler:
         self.generator = generator
 
     @torch.no_grad()
+    def sample_rows(self, logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                    generators: Sequence[torch.Generator | None], seeds: np.ndarray) -> torch.Tensor:
+        """The CUDA path: rows with no top-k/top-p go through one fused kernel
+        (worker/fused_sampling.py, `seeds` are its per-row Philox seeds); the others through
+        the torch ops below. Each row's tokens depend only on its own settings and seed."""
+        from worker.fused_sampling import gumbel_max_sample
+
+        filtered = (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0))
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        plain = np.flatnonzero(~filtered)
+        if len(plain):
+            gumbel_max_sample(logits, plain, temperature[plain], seeds[plain], out)
+        rows = np.flatnonzero(filtered)
+        if len(rows):
+            metadata = SamplingMetadata.from_arrays(temperature[rows], top_k[rows], top_p[rows],
+                                                    [generators[i] for i in rows], logits.device)
+            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
+            out[index] = self(logits[index], metadata)
+        return out
+
+    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [n, vocab] -> sampled token ids [n] (int64)."""
         logits = logits.float()

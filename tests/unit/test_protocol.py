@@ -115,6 +115,7 @@ def test_engine_config_reads_the_model(tiny_llama) -> None:
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(device="tpu"), "device must be one of"),
         (dict(load_format="pt"), "load_format must be one of"),
+        (dict(tensor_parallel_size=2), "tensor_parallel_size must be 1"),
         (dict(scheduling_policy="lifo"), "scheduling_policy must be one of fcfs, priority, v0"),
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be an integer >= 0"),
         (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be True or False"),

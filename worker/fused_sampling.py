@@ -1,0 +1,67 @@
+"""One-kernel sampling on CUDA for the rows that need no top-k/top-p: greedy or plain temperature.
+
+Gumbel-max: argmax_i(logits_i / T + G_i), G_i = -log(-log U_i) with U_i uniform, picks token i with
+probability softmax(logits / T)_i, so a single pass over the logits samples exactly, with no
+softmax, no fp32 copy and no noise tensor in memory. The uniforms come from Triton's counter-based
+Philox generator keyed by (row seed, vocabulary index): a request with a `seed` gets row seeds
+derived from its seed and its token count, so its tokens do not depend on the rest of the batch.
+Temperature 0 rows take the plain argmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+SEED_MODULUS = 2**31 - 1
+
+
+@triton.jit
+def _gumbel_max_kernel(logits_ptr, stride_row, rows_ptr, temperature_ptr, seeds_ptr, out_ptr,
+                       vocab_size, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i)
+    temperature = tl.load(temperature_ptr + i)
+    seed = tl.load(seeds_ptr + i)
+    greedy = temperature == 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / temperature)
+    best_score = float("-inf")
+    best_index = 0
+    for start in range(0, vocab_size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < vocab_size
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=float("-inf"))
+        score = x.to(tl.float32) * inv_t
+        if not greedy:
+            u = tl.rand(seed, offs)
+            score += -tl.log(-tl.log(tl.maximum(u, 1e-12)))
+        score = tl.where(mask, score, float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_index = start + tl.argmax(score, axis=0)
+        better = block_best > best_score
+        best_index = tl.where(better, block_index, best_index)
+        best_score = tl.where(better, block_best, best_score)
+    tl.store(out_ptr + row, best_index)
+
+
+def gumbel_max_sample(logits: torch.Tensor, rows: np.ndarray, temperature: np.ndarray, seeds: np.ndarray,
+                      out: torch.Tensor) -> None:
+    """Sample out[rows] from logits[rows] (any float dtype) at their temperatures."""
+    device = logits.device
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+    _gumbel_max_kernel[(len(rows),)](
+        logits, logits.stride(0), to_device(rows.astype(np.int64)), to_device(temperature.astype(np.float32)),
+        to_device(seeds.astype(np.int64)), out, logits.shape[1], BLOCK=4096, num_warps=8,
+    )
+
+
+def row_seeds(request_seeds: np.ndarray, num_tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Per-row Philox seeds: from (seed, token count) for requests with a seed, else fresh draws."""
+    fresh = rng.integers(0, SEED_MODULUS, size=len(request_seeds))
+    derived = (request_seeds * 1_000_003 + num_tokens) % SEED_MODULUS
+    return np.where(request_seeds >= 0, derived, fresh)
