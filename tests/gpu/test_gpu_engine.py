@@ -39,9 +39,10 @@ def test_cuda_graphs_equal_eager_bf16(tiny_model_factory) -> None:
 
 
 def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
-    """bf16 rounding differs between any two implementations, so: the first greedy token must agree
-    for every prompt, >= 75% of the first 4 tokens must, and the first step's logprobs must be
-    within BF16_LOGPROB_TOLERANCE of HF's over the whole vocabulary."""
+    """bf16 rounds differently in any two implementations, so the check is on logprobs: the first
+    step's logprobs are within BF16_LOGPROB_TOLERANCE of HF's over the whole vocabulary, and where
+    our greedy token differs from HF's, HF itself rates the two within that tolerance (a near-tie).
+    Over the first 4 tokens of 6 prompts, at least 75% agree."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model_dir = tiny_model_factory("llama")
@@ -60,8 +61,6 @@ def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
         with torch.no_grad():
             hf_tokens = hf.generate(torch.tensor([ids], device="cuda"), generation_config=hf_config)[0, len(ids):]
             hf_logprobs = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0, -1].float(), -1)
-        assert ours_tokens[i][0] == hf_tokens[0].item(), f"prompt {i}: first token differs"
-        agree += sum(a == b for a, b in zip(ours_tokens[i][:4], hf_tokens.tolist()))
         runner.execute_model(SchedulerOutput(
             scheduled_new_reqs=[NewRequestData(req_id=str(i), prompt_token_ids=ids, output_token_ids=[],
                                                sampling_params=GREEDY, block_ids=list(range(-(-len(ids) // 16))),
@@ -70,4 +69,7 @@ def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
             total_num_scheduled_tokens=len(ids), finished_req_ids=[str(i - 1)] if i else []))
         ours_logprobs = torch.log_softmax(captured[-1][0].float(), -1)
         assert (ours_logprobs - hf_logprobs).abs().max() < BF16_LOGPROB_TOLERANCE, f"prompt {i}"
+        ours_first, hf_first = ours_tokens[i][0], hf_tokens[0].item()
+        assert hf_logprobs[hf_first] - hf_logprobs[ours_first] < BF16_LOGPROB_TOLERANCE, f"prompt {i}"
+        agree += sum(a == b for a, b in zip(ours_tokens[i][:4], hf_tokens.tolist()))
     assert agree >= 0.75 * 6 * 4
