@@ -39,6 +39,11 @@ class ThroughputResult:
     prompt_tokens: int
     output_tokens: int
     elapsed_s: float
+    # Per-request latencies (minivllm only: HF's batch APIs don't stream): time to first token,
+    # and every gap between consecutive output tokens, pooled over requests; percentiles in ms.
+    ttft_ms: dict[str, float] | None = None
+    tbt_ms: dict[str, float] | None = None
+    num_cached_tokens: int = 0
 
     @property
     def requests_per_s(self) -> float:
@@ -66,13 +71,19 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def make_workload(num_prompts: int, input_len: str, output_len: str, vocab_size: int, seed: int) -> Workload:
+def make_workload(num_prompts: int, input_len: str, output_len: str, vocab_size: int, seed: int,
+                  prefix_len: int = 0) -> Workload:
+    """Random-token prompts; with prefix_len, every prompt starts with the same prefix_len tokens
+    (counted in its input length, as a shared system prompt would be)."""
     rng = np.random.default_rng(seed)
     in_lo, in_hi = parse_range(input_len)
     out_lo, out_hi = parse_range(output_len)
+    if prefix_len < 0 or prefix_len > in_lo:
+        raise ValueError(f"--prefix-len must be in [0, {in_lo}] (the shortest input), got {prefix_len}")
     input_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
     output_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
-    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in input_lens]
+    prefix = rng.integers(0, vocab_size, size=prefix_len).tolist()
+    prompts = [prefix + rng.integers(0, vocab_size, size=int(n) - prefix_len).tolist() for n in input_lens]
     return Workload(prompts, [int(n) for n in output_lens])
 
 
@@ -90,11 +101,21 @@ def run_minivllm(args: argparse.Namespace, workload: Workload) -> ThroughputResu
         prompts = [{"prompt_token_ids": p} for p in workload.prompts]
         llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up: kernels compiled, pages touched
         llm.reset_prefix_cache()  # the measured run must not reuse the warm-up's prompts
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         outputs = llm.generate(prompts, params, use_tqdm=args.progress)
         elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return ThroughputResult("minivllm", len(prompts), sum(map(len, workload.prompts)), output_tokens, elapsed)
+    ttfts = [o.metrics.first_token_time - start_wall for o in outputs]
+    gaps = np.concatenate([np.diff(o.metrics.token_times) for o in outputs])
+    return ThroughputResult("minivllm", len(prompts), sum(map(len, workload.prompts)), output_tokens, elapsed,
+                            ttft_ms=percentiles(ttfts), tbt_ms=percentiles(gaps),
+                            num_cached_tokens=sum(o.num_cached_tokens for o in outputs))
+
+
+def percentiles(seconds) -> dict[str, float]:
+    values = np.asarray(seconds, dtype=np.float64) * 1000
+    return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
+            "p99": float(np.percentile(values, 99))}
 
 
 def _hf_model(args: argparse.Namespace, attn_implementation: str | None = None):
@@ -176,7 +197,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
-    workload = make_workload(args.num_prompts, args.input_len, args.output_len, _vocab_size(args.model), args.seed)
+    workload = make_workload(args.num_prompts, args.input_len, args.output_len, _vocab_size(args.model), args.seed,
+                             args.prefix_len)
     results = []
     for backend in backends:
         result = RUNNERS[backend](args, workload)
@@ -184,6 +206,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         print(f"{backend}: {result.requests_per_s:.2f} requests/s, {result.total_tokens_per_s:.1f} total tokens/s, "
               f"{result.output_tokens_per_s:.1f} output tokens/s ({result.output_tokens} tokens in "
               f"{result.elapsed_s:.1f} s)", flush=True)
+        if result.tbt_ms is not None:
+            print(f"  time to first token ms: mean {result.ttft_ms['mean']:.0f}, p50 {result.ttft_ms['p50']:.0f}, "
+                  f"p99 {result.ttft_ms['p99']:.0f}; time between tokens ms: mean {result.tbt_ms['mean']:.2f}, "
+                  f"p50 {result.tbt_ms['p50']:.2f}, p99 {result.tbt_ms['p99']:.2f}; "
+                  f"prompt tokens from the prefix cache: {result.num_cached_tokens}", flush=True)
     if len(results) > 1:
         base = results[0].output_tokens_per_s
         print(f"\n{'backend':<10} {'req/s':>8} {'total tok/s':>12} {'output tok/s':>13} {'vs first':>9}")
@@ -193,6 +220,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
+                                    "prefix_len": args.prefix_len,
                                     "output_len": args.output_len, "seed": args.seed,
                                     "temperature": args.temperature},
                        "results": [r.as_dict() for r in results]}, f, indent=2)
@@ -247,6 +275,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     tp.add_argument("--num-prompts", type=int, default=256)
     tp.add_argument("--input-len", default="100:1024", help="prompt length N or range LO:HI (uniform)")
     tp.add_argument("--output-len", default="256", help="output length N or range LO:HI (uniform); EOS ignored")
+    tp.add_argument("--prefix-len", type=int, default=0,
+                    help="tokens every prompt shares at its start (part of its input length), for prefix caching")
     tp.add_argument("--temperature", type=float, default=1.0)
     tp.add_argument("--top-p", type=float, default=1.0)
     tp.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf backend")

@@ -180,7 +180,8 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
             for request, prompt_text in requests:
-                output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids)
+                output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
+                                             request.arrival_time)
                 self.client.add_request(request)
             with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while output_processor.has_unfinished_requests():

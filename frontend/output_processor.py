@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from protocol.messages import EngineCoreOutput
 
 # How many prompt tokens to decode along with the first output tokens, so that tokenizers that
@@ -47,8 +48,10 @@ class IncrementalDetokenizer:
 
 
 class RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], tokenizer: Any | None):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], tokenizer: Any | None,
+                 arrival_time: float | None = None):
         self.request_id = request_id
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
@@ -56,6 +59,14 @@ class RequestState:
         self.num_cached_tokens = 0
 
     def update(self, out: EngineCoreOutput) -> None:
+        now = time.time()
+        if out.new_token_ids:
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = now
+            self.metrics.last_token_time = now
+            self.metrics.token_times.extend([now] * len(out.new_token_ids))
+        if out.finish_reason is not None:
+            self.metrics.finished_time = now
         self.num_cached_tokens = out.num_cached_tokens
         self.completion.token_ids.extend(out.new_token_ids)
         if self.detokenizer is not None:
@@ -74,6 +85,7 @@ class RequestState:
             outputs=[self.completion],
             finished=self.completion.finished(),
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
         )
 
 
@@ -82,8 +94,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, self.tokenizer)
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    arrival_time: float | None = None) -> None:
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, self.tokenizer, arrival_time)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """Apply the engine's outputs; return the RequestOutputs that finished with them."""

@@ -20,6 +20,18 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request, in time.time() seconds, as the frontend saw them."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    # When each output token reached the frontend (tokens of one step share a time).
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -28,3 +40,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
