@@ -43,6 +43,7 @@ class ThroughputResult:
     # and every gap between consecutive output tokens, pooled over requests; percentiles in ms.
     ttft_ms: dict[str, float] | None = None
     tbt_ms: dict[str, float] | None = None
+    max_tbt_ms: dict[str, float] | None = None  # each request's longest stall, over requests
     num_cached_tokens: int = 0
 
     @property
@@ -109,6 +110,7 @@ def run_minivllm(args: argparse.Namespace, workload: Workload) -> ThroughputResu
     gaps = np.concatenate([np.diff(o.metrics.token_times) for o in outputs])
     return ThroughputResult("minivllm", len(prompts), sum(map(len, workload.prompts)), output_tokens, elapsed,
                             ttft_ms=percentiles(ttfts), tbt_ms=percentiles(gaps),
+                            max_tbt_ms=percentiles([np.diff(o.metrics.token_times).max(initial=0.0) for o in outputs]),
                             num_cached_tokens=sum(o.num_cached_tokens for o in outputs))
 
 
@@ -209,7 +211,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         if result.tbt_ms is not None:
             print(f"  time to first token ms: mean {result.ttft_ms['mean']:.0f}, p50 {result.ttft_ms['p50']:.0f}, "
                   f"p99 {result.ttft_ms['p99']:.0f}; time between tokens ms: mean {result.tbt_ms['mean']:.2f}, "
-                  f"p50 {result.tbt_ms['p50']:.2f}, p99 {result.tbt_ms['p99']:.2f}; "
+                  f"p50 {result.tbt_ms['p50']:.2f}, p99 {result.tbt_ms['p99']:.2f}; longest stall per request ms: "
+                  f"p50 {result.max_tbt_ms['p50']:.0f}, p99 {result.max_tbt_ms['p99']:.0f}; "
                   f"prompt tokens from the prefix cache: {result.num_cached_tokens}", flush=True)
     if len(results) > 1:
         base = results[0].output_tokens_per_s
