@@ -26,7 +26,7 @@ def main() -> None:
         for bm, bn, w, st in itertools.product((16,) if decode else (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
             try:
                 t = do_bench(lambda: paged_attention(q, cache, md, 0.088, tiles=(bm, bn, w, st)), warmup=5, rep=30)
-            except Exception as e:  # out of shared memory etc.
+            except Exception:  # out of shared memory etc.
                 t = float("inf")
             ms.append((t, (bm, bn, w, st)))
         ms.sort()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from frontend import LLM, SamplingParams
+from tests.hf_reference import hf_greedy
 from tests.tiny_models import EOS_TOKEN_ID
 
 MAX_TOKENS = 24
@@ -23,23 +23,6 @@ TEXT_PROMPTS = [
     "In the beginning the engine was small",
     "0 1 2 3 4 5 6 7 8 9 10 100 1000 and onwards, counting up: 11 12 13 14 15 16 17 18 19 20",
 ]
-
-
-def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """HF generate, one prompt at a time (no padding), cut after the first EOS as we stop there."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    for ids in prompt_ids:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID)
-        new = out[0, len(ids):].tolist()
-        if EOS_TOKEN_ID in new:
-            new = new[: new.index(EOS_TOKEN_ID) + 1]
-        results.append(new)
-    return results
 
 
 def random_id_prompts(n: int, seed: int) -> list[list[int]]:
@@ -67,7 +50,7 @@ def test_greedy_matches_hf(tiny_model_factory, arch: str) -> None:
             if expected_by_prompt is None:
                 tokenizer = llm.get_tokenizer()
                 prompt_ids = [tokenizer(p).input_ids for p in TEXT_PROMPTS] + random_id_prompts(4, seed=1)
-                expected_by_prompt = hf_greedy(model_dir, prompt_ids, MAX_TOKENS)
+                expected_by_prompt = hf_greedy(model_dir, prompt_ids, MAX_TOKENS, EOS_TOKEN_ID)
             prompts = TEXT_PROMPTS + [{"prompt_token_ids": ids} for ids in prompt_ids[len(TEXT_PROMPTS):]]
             outputs = llm.generate(prompts, params, use_tqdm=False)
         assert len(outputs) == len(prompts) >= 8

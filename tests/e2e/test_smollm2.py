@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from frontend import LLM, SamplingParams
+from tests.hf_reference import hf_greedy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_TOKENS = 32
@@ -32,28 +32,13 @@ def llm(smollm2_dir: str):
         yield engine
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[list[int]], eos_token_id: int) -> list[list[int]]:
-    """HF transformers' greedy tokens (fp32, one prompt at a time), cut after the first EOS."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    for ids in prompt_ids:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=eos_token_id, pad_token_id=eos_token_id)
-        new = out[0, len(ids):].tolist()
-        results.append(new[: new.index(eos_token_id) + 1] if eos_token_id in new else new)
-    return results
-
-
 def test_greedy_chat_matches_hf_token_for_token(llm, smollm2_dir: str) -> None:
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     prompt_ids = [out.prompt_token_ids for out in outputs]
     assert all(ids[0] == 1 and ids.count(1) == 3 for ids in prompt_ids)  # <|im_start|> x3, no extra BOS
     assert all(len(ids) > 16 for ids in prompt_ids)  # chunked prefill really happened
-    expected = hf_greedy(smollm2_dir, prompt_ids, eos_token_id=llm.engine_info.eos_token_ids[0])
+    expected = hf_greedy(smollm2_dir, prompt_ids, MAX_TOKENS, eos_token_id=llm.engine_info.eos_token_ids[0])
     for question, out, want in zip(QUESTIONS, outputs, expected):
         assert out.outputs[0].token_ids == want, f"{question!r}: differs from HF"
 
