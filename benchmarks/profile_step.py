@@ -117,7 +117,7 @@ def main() -> None:
     print(f"  torch sampler (temperature {args.temperature}): {cuda_time_ms(lambda: runner.sampler(logits, sm)):.2f} ms")
     seeds = np.arange(args.batch)
     fused = lambda: runner.sampler.sample_rows(logits, b.temperature[rows], b.top_k[rows], b.top_p[rows],  # noqa: E731
-                                               [None] * args.batch, seeds)
+                                               [None] * args.batch, seeds, b.min_p[rows])
     print(f"  fused sampler (temperature {args.temperature}): {cuda_time_ms(fused):.2f} ms")
     attn = model.model.layers[0].self_attn
     from worker.attention.triton_attention import paged_attention

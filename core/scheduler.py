@@ -332,6 +332,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    eos_token_ids=list(request.eos_token_ids),
                 )
                 for request in plan.new_reqs
             ],
@@ -403,10 +404,13 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a finished status if `token_id` (just appended) ends the request."""
         params = request.sampling_params
-        if token_id in params.stop_token_ids:
+        # min_tokens: a stop token counts only once min_tokens tokens came before it (the sampler
+        # holds them back until then too).
+        may_stop = request.num_output_tokens > params.min_tokens
+        if may_stop and token_id in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
-        elif not params.ignore_eos and token_id in request.eos_token_ids:
+        elif may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
         elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH

@@ -75,7 +75,9 @@ class InputProcessor:
         if len(token_ids) > info.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len="
                              f"{info.max_model_len}; shorten it to at most {info.max_model_len} tokens.")
-        for name, ids in (("prompt token", token_ids), ("stop_token_ids entry", params.stop_token_ids)):
+        for name, ids in (("prompt token", token_ids), ("stop_token_ids entry", params.stop_token_ids),
+                          ("logit_bias key", list(params.logit_bias or ())),
+                          ("allowed_token_ids entry", params.allowed_token_ids or [])):
             bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name} {bad} is outside the vocabulary; ids must be in [0, {info.vocab_size}).")

@@ -138,6 +138,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The model's EOS ids, which min_tokens keeps the sampler from picking too early.
+    eos_token_ids: list[int] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

@@ -16,10 +16,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one
     seed: int | None = None
+    # Penalties on tokens already present: presence/frequency on the output (subtracted from the
+    # logit once / per occurrence), repetition on prompt + output (logit divided by it if positive,
+    # multiplied if negative); 0, 0, 1 are off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = 16
+    min_tokens: int = 0  # EOS and stop tokens cannot end the request before this many tokens
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # sample only among these
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -34,7 +44,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}.")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+        if self.logit_bias is not None and any(t < 0 for t in self.logit_bias):
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {sorted(self.logit_bias)}.")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the worker must change this request's logits before sampling."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None)

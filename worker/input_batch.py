@@ -59,6 +59,18 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.seed = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no seed of its own
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        # For worker/logits_processors.py: which rows need it, and what each asks for.
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.processes_logits = np.zeros(max_num_reqs, dtype=bool)
+        self.penalized = np.zeros(max_num_reqs, dtype=bool)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.logit_bias: list[dict[int, float]] = [{} for _ in range(max_num_reqs)]
+        self.allowed_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
 
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -78,10 +90,11 @@ class InputBatch:
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
-        self._set_sampling(row, new.sampling_params)
+        self._set_sampling(row, new.sampling_params, new.eos_token_ids)
 
     def remove_request(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)  # ids never seen (aborted while waiting) are fine
@@ -97,11 +110,22 @@ class InputBatch:
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
-    def _set_sampling(self, row: int, params: SamplingParams) -> None:
+    def _set_sampling(self, row: int, params: SamplingParams, eos_token_ids: list[int]) -> None:
         self.temperature[row] = params.temperature
         self.top_k[row] = max(params.top_k, 0)
         self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
         self.seed[row] = -1 if params.seed is None else params.seed
+        self.processes_logits[row] = params.processes_logits
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.penalized[row] = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                               or params.repetition_penalty != 1.0)
+        self.min_tokens[row] = params.min_tokens
+        self.min_tokens_stop_ids[row] = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        self.logit_bias[row] = dict(params.logit_bias or {})
+        self.allowed_token_ids[row] = list(params.allowed_token_ids or [])
         self.generators[row] = (
             None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         )

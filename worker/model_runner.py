@@ -24,6 +24,7 @@ from protocol.messages import ModelRunnerOutput, SchedulerOutput
 from worker.attention.metadata import AttentionBackend, AttentionMetadata, kv_cache_shape
 from worker.cuda_graphs import StepBuffers, StepGraphs
 from worker.input_batch import InputBatch, StepInputs
+from worker.logits_processors import apply_logits_processors
 from worker.models.loader import describe, load_model
 from worker.sampler import Sampler, SamplingMetadata
 
@@ -201,18 +202,19 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden_states[logits_indices])
         batch, rows = self.input_batch, step.sampling_rows
+        logits = apply_logits_processors(self.model.compute_logits(hidden_states[logits_indices]), batch, rows)
         generators = [batch.generators[r] for r in rows]
         if self.device.type == "cuda":
             from worker.fused_sampling import row_seeds  # Triton: CUDA builds only
 
             seeds = row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
             sampled_ids = self.sampler.sample_rows(logits, batch.temperature[rows], batch.top_k[rows],
-                                                   batch.top_p[rows], generators, seeds)
+                                                   batch.top_p[rows], generators, seeds, batch.min_p[rows])
         else:
             sampled_ids = self.sampler(logits, SamplingMetadata.from_arrays(
-                batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], generators, self.device))
+                batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], generators, self.device,
+                batch.min_p[rows]))
         sampled = sampled_ids.tolist()  # the step's one device->host sync
         batch.append_sampled(rows, sampled)
         sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]

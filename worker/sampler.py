@@ -28,6 +28,7 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [n] float32; 0 = greedy
     top_k: torch.Tensor  # [n] int64; 0 = no cut (-1 is normalized to 0)
     top_p: torch.Tensor  # [n] float32; 1 = no cut
+    min_p: torch.Tensor | None  # [n] float32 or None when no row uses it
     # Per row: the request's own generator (it has a seed) or None (use the shared one).
     generators: list[torch.Generator | None]
     all_greedy: bool
@@ -48,6 +49,7 @@ class SamplingMetadata:
             np.array([p.top_p for p in params], dtype=np.float32),
             generators,
             device,
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
         )
 
     @classmethod
@@ -58,12 +60,15 @@ class SamplingMetadata:
         top_p: np.ndarray,
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
+        min_p: np.ndarray | None = None,
     ) -> "SamplingMetadata":
         """From per-row arrays (the persistent batch keeps them); top_k already 0 for "off"."""
+        any_min_p = min_p is not None and bool(np.any(min_p > 0.0))
         return cls(
             temperature=torch.from_numpy(temperature).to(device, non_blocking=True),
             top_k=torch.from_numpy(top_k).to(device, non_blocking=True),
             top_p=torch.from_numpy(top_p).to(device, non_blocking=True),
+            min_p=torch.from_numpy(min_p).to(device, non_blocking=True) if any_min_p else None,
             generators=list(generators),
             all_greedy=bool(np.all(temperature == 0.0)),
             any_greedy=bool(np.any(temperature == 0.0)),
@@ -79,13 +84,14 @@ class Sampler:
 
     @torch.no_grad()
     def sample_rows(self, logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-                    generators: Sequence[torch.Generator | None], seeds: np.ndarray) -> torch.Tensor:
+                    generators: Sequence[torch.Generator | None], seeds: np.ndarray,
+                    min_p: np.ndarray) -> torch.Tensor:
         """The CUDA path: rows with no top-k/top-p go through one fused kernel
         (worker/fused_sampling.py, `seeds` are its per-row Philox seeds); the others through
         the torch ops below. Each row's tokens depend only on its own settings and seed."""
         from worker.fused_sampling import gumbel_max_sample
 
-        filtered = (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0))
+        filtered = (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         plain = np.flatnonzero(~filtered)
         if len(plain):
@@ -93,7 +99,7 @@ class Sampler:
         rows = np.flatnonzero(filtered)
         if len(rows):
             metadata = SamplingMetadata.from_arrays(temperature[rows], top_k[rows], top_p[rows],
-                                                    [generators[i] for i in rows], logits.device)
+                                                    [generators[i] for i in rows], logits.device, min_p[rows])
             index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
             out[index] = self(logits[index], metadata)
         return out
@@ -113,6 +119,9 @@ class Sampler:
         if metadata.any_top_k or metadata.any_top_p:
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = torch.softmax(logits, dim=-1)
+        if metadata.min_p is not None:  # drop tokens below min_p x the row's likeliest
+            threshold = metadata.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
 
         noise = self._exponential_noise(probs, metadata.generators)
         sampled_tokens = (probs.div_(noise)).argmax(dim=-1)

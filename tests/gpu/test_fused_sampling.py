@@ -51,6 +51,6 @@ def test_filtered_rows_take_the_torch_path() -> None:
     logits = torch.randn(4, 500, device="cuda")
     out = sampler.sample_rows(logits, np.array([0.0, 1.0, 1.0, 1.0], dtype=np.float32),
                               np.array([0, 1, 0, 0]), np.array([1.0, 1.0, 1e-6, 1.0], dtype=np.float32),
-                              [None] * 4, np.arange(4))
+                              [None] * 4, np.arange(4), np.zeros(4, dtype=np.float32))
     top = logits.argmax(-1)
     assert out[0] == top[0] and out[1] == top[1] and out[2] == top[2]  # greedy, top_k=1, tiny top_p

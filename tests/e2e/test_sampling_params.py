@@ -1,0 +1,87 @@
+"""Sampling parameters through the whole engine change outputs as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frontend import LLM, SamplingParams
+
+PROMPTS = ["Hello", "The quick brown fox", "What is the capital of France?"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(tiny_llama, max_model_len=128) as engine:
+        yield engine
+
+
+def tokens(llm, params: SamplingParams, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_top_k_1_equals_greedy(llm) -> None:
+    greedy = tokens(llm, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert tokens(llm, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True, seed=3)) == greedy
+
+
+def test_repetition_penalty_matches_hf(llm, tiny_llama) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    # Both stop at EOS (id 0), so both outputs end there.
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, repetition_penalty=1.5, eos_token_id=0,
+                              pad_token_id=0)
+    ours = tokens(llm, SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.5))
+    plain = tokens(llm, SamplingParams(temperature=0.0, max_tokens=12))
+    assert ours != plain  # the penalty changes something
+    tokenizer = llm.get_tokenizer()
+    for prompt, got in zip(PROMPTS, ours):
+        ids = tokenizer(prompt).input_ids
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), generation_config=config)[0, len(ids):].tolist()
+        assert got == expected
+
+
+def test_logit_bias_steers_and_allowed_token_ids_confine(llm) -> None:
+    steered = tokens(llm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={42: 100.0}))
+    assert all(t == 42 for out in steered for t in out)
+    confined = tokens(llm, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1,
+                                          allowed_token_ids=[5, 6, 7]))
+    assert all(t in (5, 6, 7) for out in confined for t in out)
+
+
+def test_min_tokens_suppresses_stop_tokens(llm) -> None:
+    free = tokens(llm, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), PROMPTS[:1])[0]
+    stop = free[0]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                  stop_token_ids=[stop], min_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert stop not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4
+
+
+def test_presence_and_frequency_penalties_reduce_repeats(llm) -> None:
+    plain = tokens(llm, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    penalized = tokens(llm, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                           presence_penalty=2.0, frequency_penalty=2.0))
+    repeats = lambda outs: sum(len(o) - len(set(o)) for o in outs)  # noqa: E731
+    assert repeats(penalized) < repeats(plain)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(logit_bias={600: 1.0}), "logit_bias key 600 is outside the vocabulary"),
+    (dict(allowed_token_ids=[1, 999]), "allowed_token_ids entry 999 is outside the vocabulary"),
+])
+def test_out_of_vocab_ids_are_value_errors(llm, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate("Hello", SamplingParams(**kwargs), use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_p=1.5), "min_p must be in"), (dict(presence_penalty=3.0), "presence_penalty must be in"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+])
+def test_sampling_params_validation(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
