@@ -372,7 +372,10 @@ class Scheduler:
         """Append each sampled token, stop the requests that are done, report what changed."""
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
-        for request_id, token_id in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
+        logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
+        for request_id, token_id, token_logprobs in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs
+        ):
             request = self.requests.get(request_id)
             # Aborted (or otherwise gone) since the step was scheduled: drop its token.
             if (
@@ -393,6 +396,7 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    new_logprobs=token_logprobs,
                 )
             )
         if finished:

@@ -60,6 +60,14 @@ FINISH_LENGTH = "length"  # max_tokens or the model's maximum length
 FINISH_ABORT = "abort"
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities (of the model's raw distribution) around one sampled token."""
+
+    token_ids: list[int]  # the sampled token first, then the top-`logprobs` tokens, likeliest first
+    logprobs: list[float]
+    sampled_rank: int  # 1 = the likeliest token
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one request gained in one step."""
 
@@ -69,6 +77,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None  # the stop token id that ended it, if one did
     # Prompt tokens whose KV came from the prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
+    new_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
@@ -190,6 +199,8 @@ class ModelRunnerOutput(msgspec.Struct, tag="output"):
 
     req_ids: list[str]
     sampled_token_ids: list[int]
+    # Parallel to req_ids when any request asked for logprobs (None for those that did not).
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 class WorkerReply(msgspec.Struct, tag="reply", omit_defaults=True):

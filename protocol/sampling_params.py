@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs)
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Per-request sampling settings. Invalid values raise ValueError at construction.
@@ -30,6 +32,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # sample only among these
+    # Return the sampled token's logprob and rank plus this many top alternatives (0: just the
+    # sampled token's), per generated token. Of the model's raw distribution, as vLLM V1 reports.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -57,6 +62,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
         if self.logit_bias is not None and any(t < 0 for t in self.logit_bias):
             raise ValueError(f"logit_bias keys must be non-negative token ids, got {sorted(self.logit_bias)}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}.")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
         ):

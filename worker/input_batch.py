@@ -60,6 +60,7 @@ class InputBatch:
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.seed = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no seed of its own
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no logprobs asked
         # For worker/logits_processors.py: which rows need it, and what each asks for.
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.processes_logits = np.zeros(max_num_reqs, dtype=bool)
@@ -115,6 +116,7 @@ class InputBatch:
         self.top_k[row] = max(params.top_k, 0)
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.seed[row] = -1 if params.seed is None else params.seed
         self.processes_logits[row] = params.processes_logits
         self.presence_penalty[row] = params.presence_penalty

@@ -25,6 +25,7 @@ from worker.attention.metadata import AttentionBackend, AttentionMetadata, kv_ca
 from worker.cuda_graphs import StepBuffers, StepGraphs
 from worker.input_batch import InputBatch, StepInputs
 from worker.logits_processors import apply_logits_processors
+from worker.logprobs import sampled_logprobs
 from worker.models.loader import describe, load_model
 from worker.sampler import Sampler, SamplingMetadata
 
@@ -203,7 +204,8 @@ class ModelRunner:
 
         logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
         batch, rows = self.input_batch, step.sampling_rows
-        logits = apply_logits_processors(self.model.compute_logits(hidden_states[logits_indices]), batch, rows)
+        raw_logits = self.model.compute_logits(hidden_states[logits_indices])
+        logits = apply_logits_processors(raw_logits, batch, rows)
         generators = [batch.generators[r] for r in rows]
         if self.device.type == "cuda":
             from worker.fused_sampling import row_seeds  # Triton: CUDA builds only
@@ -215,10 +217,11 @@ class ModelRunner:
             sampled_ids = self.sampler(logits, SamplingMetadata.from_arrays(
                 batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], generators, self.device,
                 batch.min_p[rows]))
-        sampled = sampled_ids.tolist()  # the step's one device->host sync
+        logprobs = sampled_logprobs(raw_logits, sampled_ids, batch.num_logprobs[rows])
+        sampled = sampled_ids.tolist()  # the step's one device->host sync (two when logprobs are asked)
         batch.append_sampled(rows, sampled)
         sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
-        return ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled)
+        return ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
     def _run_model(self, step: StepInputs) -> torch.Tensor:
         """One forward pass: a captured graph when one fits the step, else eager."""
