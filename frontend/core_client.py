@@ -33,6 +33,7 @@ from protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_chi
 from protocol.messages import (
     AbortRequests,
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     Shutdown,
@@ -50,27 +51,81 @@ class EngineDeadError(RuntimeError):
     """The EngineCore (or one of its workers) is gone; this engine can serve no more requests."""
 
 
-class EngineCoreClient:
+class EngineCoreClientBase:
+    """What every transport to the EngineCore shares: the engine process (if spawned), the
+    per-client request-id prefix, how the engine's messages are read, and when it counts as dead.
+    Subclasses own the socket and say where outputs and utility results go."""
+
     def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True) -> None:
         self.address = address
         self.proc = proc  # set when the engine was spawned (by this client, or the one it serves)
         self.owns_engine = proc is not None and owns_engine  # stop it at shutdown
         self.dead_reason: str | None = None
-        self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # ZMTP heartbeats: a peer that stops answering is dropped, which the monitor reports.
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.connected = False
-        self.socket.connect(address)
         self.prefix = uuid.uuid4().hex[:8] + "-"
         self.call_ids = itertools.count()
-        self.utility_results: dict[int, UtilityResult] = {}
-        self.pending_outputs: list[EngineCoreOutput] = []
         self.live_request_ids: set[str] = set()
         self.engine_info: EngineInfo | None = None
+
+    def _connect(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER socket to the engine, and its monitor socket (connection events)."""
+        socket = ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # ZMTP heartbeats: a peer that stops answering is dropped, which the monitor reports.
+        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        socket.connect(self.address)
+        return socket, monitor
+
+    def _on_message(self, message: EngineCoreOutputs) -> None:
+        if message.engine_dead is not None:
+            self._mark_dead(f"the engine failed: {message.engine_dead}")
+        if message.utility_result is not None:
+            self._on_utility_result(message.utility_result)
+        for out in message.outputs:
+            out.request_id = out.request_id[len(self.prefix):]
+            if out.finish_reason is not None:
+                self._forget_request(out.request_id)
+            self._on_output(out)
+
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        raise NotImplementedError
+
+    def _on_output(self, out: EngineCoreOutput) -> None:
+        raise NotImplementedError
+
+    def _forget_request(self, request_id: str) -> None:
+        self.live_request_ids.discard(request_id)
+
+    def _on_monitor_event(self, event: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is None and self.proc is not None and self.proc.poll() is not None:
+            self._mark_dead(f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}")
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("engine dead: %s", reason)
+        raise EngineDeadError(reason)
+
+
+class EngineCoreClient(EngineCoreClientBase):
+    """The blocking transport, for LLM: whichever thread calls in drives the socket."""
+
+    def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True) -> None:
+        super().__init__(address, proc, owns_engine)
+        self.ctx = zmq.Context()
+        self.socket, self.monitor = self._connect(self.ctx)
+        self.utility_results: dict[int, UtilityResult] = {}
+        self.pending_outputs: list[EngineCoreOutput] = []
         # Whoever holds io_lock owns the socket; see the module docstring for the others.
         self.io_lock = threading.Lock()
         self.ids_lock = threading.Lock()  # live_request_ids is read from other threads
@@ -195,35 +250,15 @@ class EngineCoreClient:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def _on_message(self, message) -> None:
-        if message.engine_dead is not None:
-            self._mark_dead(f"the engine failed: {message.engine_dead}")
-        if message.utility_result is not None:
-            self.utility_results[message.utility_result.call_id] = message.utility_result
-        for out in message.outputs:
-            out.request_id = out.request_id[len(self.prefix):]
-            if out.finish_reason is not None:
-                with self.ids_lock:
-                    self.live_request_ids.discard(out.request_id)
-            self.pending_outputs.append(out)
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        self.utility_results[result.call_id] = result
 
-    def _on_monitor_event(self, event: int) -> None:
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.connected = True
-        elif event == zmq.EVENT_DISCONNECTED and self.connected:
-            self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
+    def _on_output(self, out: EngineCoreOutput) -> None:
+        self.pending_outputs.append(out)
 
-    def _check_alive(self) -> None:
-        if self.dead_reason is None and self.proc is not None and self.proc.poll() is not None:
-            self._mark_dead(f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}")
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("engine dead: %s", reason)
-        raise EngineDeadError(reason)
+    def _forget_request(self, request_id: str) -> None:
+        with self.ids_lock:
+            self.live_request_ids.discard(request_id)
 
     def shutdown(self) -> None:
         """Stop a spawned engine; for an attached one, abort this client's requests and detach."""
