@@ -1,8 +1,10 @@
-"""The user's side of minivllm: the LLM class, tokenization, detokenization and the CLI."""
+"""The user's side of minivllm: the LLM and AsyncLLM classes, tokenization, detokenization and the CLI."""
 
+from frontend.async_llm import AsyncLLM
 from frontend.core_client import EngineDeadError
 from frontend.llm import LLM
 from frontend.outputs import CompletionOutput, RequestOutput
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineDeadError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "EngineDeadError"]

@@ -7,8 +7,12 @@ started with `minivllm engine` (any address). A dead engine turns into EngineDea
   - the connection dropped (ZMQ heartbeats notice a silent peer within seconds).
 Request ids get a per-client prefix on the wire, so frontends sharing one engine never collide.
 
-Threads: a ZMQ socket is one thread's at a time, and generate() holds this client's socket
-while it waits for outputs. So an abort or a utility call (stats, ...) made while another thread
+Two transports share EngineCoreClientBase: EngineCoreClient (blocking, for LLM) and
+AsyncEngineCoreClient (asyncio, for AsyncLLM: one background task owns its socket and routes
+outputs to per-request queues; it starts and stops the engine through an EngineCoreClient).
+
+Threads (blocking client): a ZMQ socket is one thread's at a time, and generate() holds this
+client's socket while it waits for outputs. So an abort or a utility call (stats, ...) made while another thread
 holds it goes through a second connection to the engine (made on first need). The engine
 routes each request's outputs to the connection that added it, so nothing is lost; an abort
 sent through the second connection right after the add may overtake it, and is then ignored.
@@ -16,6 +20,7 @@ sent through the second connection right after the add may overtake it, and is t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import subprocess
@@ -26,13 +31,15 @@ from typing import Any
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from protocol.config import EngineConfig
 from protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from protocol.messages import (
     AbortRequests,
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     Shutdown,
@@ -50,27 +57,81 @@ class EngineDeadError(RuntimeError):
     """The EngineCore (or one of its workers) is gone; this engine can serve no more requests."""
 
 
-class EngineCoreClient:
+class EngineCoreClientBase:
+    """What every transport to the EngineCore shares: the engine process (if spawned), the
+    per-client request-id prefix, how the engine's messages are read, and when it counts as dead.
+    Subclasses own the socket and say where outputs and utility results go."""
+
     def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True) -> None:
         self.address = address
         self.proc = proc  # set when the engine was spawned (by this client, or the one it serves)
         self.owns_engine = proc is not None and owns_engine  # stop it at shutdown
         self.dead_reason: str | None = None
-        self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # ZMTP heartbeats: a peer that stops answering is dropped, which the monitor reports.
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.connected = False
-        self.socket.connect(address)
         self.prefix = uuid.uuid4().hex[:8] + "-"
         self.call_ids = itertools.count()
-        self.utility_results: dict[int, UtilityResult] = {}
-        self.pending_outputs: list[EngineCoreOutput] = []
         self.live_request_ids: set[str] = set()
         self.engine_info: EngineInfo | None = None
+
+    def _connect(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER socket to the engine, and its monitor socket (connection events)."""
+        socket = ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # ZMTP heartbeats: a peer that stops answering is dropped, which the monitor reports.
+        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        socket.connect(self.address)
+        return socket, monitor
+
+    def _on_message(self, message: EngineCoreOutputs) -> None:
+        if message.engine_dead is not None:
+            self._mark_dead(f"the engine failed: {message.engine_dead}")
+        if message.utility_result is not None:
+            self._on_utility_result(message.utility_result)
+        for out in message.outputs:
+            out.request_id = out.request_id[len(self.prefix):]
+            if out.finish_reason is not None:
+                self._forget_request(out.request_id)
+            self._on_output(out)
+
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        raise NotImplementedError
+
+    def _on_output(self, out: EngineCoreOutput) -> None:
+        raise NotImplementedError
+
+    def _forget_request(self, request_id: str) -> None:
+        self.live_request_ids.discard(request_id)
+
+    def _on_monitor_event(self, event: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is None and self.proc is not None and self.proc.poll() is not None:
+            self._mark_dead(f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}")
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("engine dead: %s", reason)
+        raise EngineDeadError(reason)
+
+
+class EngineCoreClient(EngineCoreClientBase):
+    """The blocking transport, for LLM: whichever thread calls in drives the socket."""
+
+    def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True) -> None:
+        super().__init__(address, proc, owns_engine)
+        self.ctx = zmq.Context()
+        self.socket, self.monitor = self._connect(self.ctx)
+        self.utility_results: dict[int, UtilityResult] = {}
+        self.pending_outputs: list[EngineCoreOutput] = []
         # Whoever holds io_lock owns the socket; see the module docstring for the others.
         self.io_lock = threading.Lock()
         self.ids_lock = threading.Lock()  # live_request_ids is read from other threads
@@ -195,35 +256,15 @@ class EngineCoreClient:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def _on_message(self, message) -> None:
-        if message.engine_dead is not None:
-            self._mark_dead(f"the engine failed: {message.engine_dead}")
-        if message.utility_result is not None:
-            self.utility_results[message.utility_result.call_id] = message.utility_result
-        for out in message.outputs:
-            out.request_id = out.request_id[len(self.prefix):]
-            if out.finish_reason is not None:
-                with self.ids_lock:
-                    self.live_request_ids.discard(out.request_id)
-            self.pending_outputs.append(out)
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        self.utility_results[result.call_id] = result
 
-    def _on_monitor_event(self, event: int) -> None:
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.connected = True
-        elif event == zmq.EVENT_DISCONNECTED and self.connected:
-            self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
+    def _on_output(self, out: EngineCoreOutput) -> None:
+        self.pending_outputs.append(out)
 
-    def _check_alive(self) -> None:
-        if self.dead_reason is None and self.proc is not None and self.proc.poll() is not None:
-            self._mark_dead(f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}")
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("engine dead: %s", reason)
-        raise EngineDeadError(reason)
+    def _forget_request(self, request_id: str) -> None:
+        with self.ids_lock:
+            self.live_request_ids.discard(request_id)
 
     def shutdown(self) -> None:
         """Stop a spawned engine; for an attached one, abort this client's requests and detach."""
@@ -245,3 +286,184 @@ class EngineCoreClient:
             if self.owns_engine:
                 stop_child(self.proc, timeout=10.0)
                 remove_ipc_file(self.address)
+
+
+class AsyncEngineCoreClient(EngineCoreClientBase):
+    """The asyncio transport, for AsyncLLM: one background task owns the socket, decodes what the
+    engine sends and routes each request's outputs to that request's asyncio.Queue.
+
+    The engine is started (or attached to) through a blocking EngineCoreClient, kept as the
+    control connection: AsyncLLM() is built outside any event loop, as vLLM's is, and shutdown
+    must work after the loop is gone. The async socket and its task belong to one event loop;
+    a later loop (a second asyncio.run) gets a fresh pair.
+    """
+
+    def __init__(self, control: EngineCoreClient) -> None:
+        super().__init__(control.address, control.proc, control.owns_engine)
+        self.control = control
+        self.engine_info = control.engine_info
+        self.ctx = zmq.asyncio.Context()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.socket: zmq.asyncio.Socket | None = None
+        self.monitor: zmq.asyncio.Socket | None = None
+        self.output_task: asyncio.Task | None = None
+        # A queue gets EngineCoreOutputs, then EngineDeadError if the engine dies first.
+        self.streams: dict[str, asyncio.Queue[EngineCoreOutput | EngineDeadError]] = {}
+        self.utility_futures: dict[int, asyncio.Future[UtilityResult]] = {}
+
+    @classmethod
+    def spawn(cls, config: EngineConfig) -> "AsyncEngineCoreClient":
+        return cls(EngineCoreClient.spawn(config))
+
+    @classmethod
+    def attach(cls, address: str, timeout: float = 60.0) -> "AsyncEngineCoreClient":
+        return cls(EngineCoreClient.attach(address, timeout))
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def add_request(self, request: EngineCoreRequest) -> asyncio.Queue[EngineCoreOutput | EngineDeadError]:
+        """Send the request; its outputs arrive in the returned queue, the last one finished."""
+        self._ensure_connected()
+        if request.request_id in self.streams:
+            raise ValueError(f"request id {request.request_id!r} is already running; give each live request its own id.")
+        stream: asyncio.Queue[EngineCoreOutput | EngineDeadError] = asyncio.Queue()
+        self.streams[request.request_id] = stream
+        self.live_request_ids.add(request.request_id)
+        try:
+            await self.socket.send(encode(msgspec.structs.replace(request, request_id=self.prefix + request.request_id)))
+        except BaseException:
+            self.streams.pop(request.request_id, None)
+            self.live_request_ids.discard(request.request_id)
+            raise
+        return stream
+
+    def abort_requests(self, request_ids: list[str], drop_streams: bool = False) -> None:
+        """Abort these of this client's requests (others are ignored). Not a coroutine, so that a
+        cancelled or closed stream can abort on its way out. Their streams get the engine's final
+        "abort" output, or nothing more when `drop_streams`."""
+        ids = [i for i in request_ids if i in self.live_request_ids]
+        if drop_streams:
+            for request_id in request_ids:
+                self.streams.pop(request_id, None)
+        if not ids or self.dead_reason is not None or self.socket is None or self.socket.closed:
+            return
+        # zmq.asyncio sends at once when it can (a DEALER's queue is rarely full); the future
+        # only matters if it could not, so nobody needs to await it.
+        future = self.socket.send(encode(AbortRequests([self.prefix + i for i in ids])))
+        future.add_done_callback(_log_send_failure)
+        if drop_streams:  # nobody waits for the engine's "abort" output: forget them now
+            self.live_request_ids.difference_update(ids)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.streams
+
+    def get_unfinished_request_ids(self) -> list[str]:
+        return list(self.live_request_ids)
+
+    async def call_utility(self, method: str, *args: Any, type: Any = Any) -> Any:
+        """Run EngineCore.<method>(*args) in the engine's busy loop and return its result."""
+        self._ensure_connected()
+        call_id = next(self.call_ids)
+        future: asyncio.Future[UtilityResult] = self.loop.create_future()
+        self.utility_futures[call_id] = future
+        try:
+            await self.socket.send(encode(UtilityCall(call_id, method, list(args))))
+            result = await future
+        finally:
+            self.utility_futures.pop(call_id, None)
+        if result.error is not None:
+            raise RuntimeError(f"engine utility {method!r} failed: {result.error}")
+        return msgspec.convert(result.result, type)
+
+    # -- the output task ------------------------------------------------------------------------
+
+    def _ensure_connected(self) -> None:
+        """Connect from the running event loop (and start its output task) unless done already."""
+        loop = asyncio.get_running_loop()
+        if self.loop is loop and self.output_task is not None and not self.output_task.done():
+            return
+        self._check_alive()
+        self._close_socket()  # one made by an earlier event loop, unusable from this one
+        self.loop = loop
+        self.socket, self.monitor = self._connect(self.ctx)
+        self.output_task = loop.create_task(self._run_output_loop(), name="minivllm-engine-outputs")
+
+    async def _run_output_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        try:
+            while True:
+                self._check_alive()  # notices a spawned engine's exit within POLL_MS
+                events = dict(await poller.poll(POLL_MS))
+                if self.monitor in events:
+                    self._on_monitor_event(parse_monitor_message(await self.monitor.recv_multipart())["event"])
+                # Everything that arrived, before polling again.
+                while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._on_message(engine_output_decoder.decode(await self.socket.recv()))
+        except EngineDeadError as e:
+            self._fail_everything(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not leave streams waiting forever
+            logger.exception("the engine output handler failed")
+            self.dead_reason = self.dead_reason or f"the engine output handler failed: {e!r}"
+            self._fail_everything(EngineDeadError(self.dead_reason))
+
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        future = self.utility_futures.get(result.call_id)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def _on_output(self, out: EngineCoreOutput) -> None:
+        stream = self.streams.get(out.request_id)
+        if stream is None:  # cancelled here already
+            return
+        stream.put_nowait(out)
+        if out.finish_reason is not None:
+            del self.streams[out.request_id]
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        for stream in self.streams.values():
+            stream.put_nowait(error)
+        self.streams.clear()
+        self.live_request_ids.clear()
+        for future in self.utility_futures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(str(error)))
+
+    def _close_socket(self) -> None:
+        task = self.output_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()
+        if self.socket is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.socket.close(linger=0)
+        self.socket = self.monitor = self.output_task = None
+        self.connected = False
+
+    def shutdown(self) -> None:
+        """Stop a spawned engine; for an attached one, abort this client's requests and detach.
+        Not a coroutine: it works with or without a running event loop."""
+        if self.ctx.closed:
+            return
+        try:
+            if self.live_request_ids and self.dead_reason is None and self.control.dead_reason is None:
+                # Through the control connection: this loop may be gone, and it lingers to deliver.
+                self.control._send(AbortRequests([self.prefix + i for i in self.live_request_ids]))
+            if self.dead_reason is not None and self.control.dead_reason is None:
+                self.control.dead_reason = self.dead_reason  # no Shutdown to a dead engine
+            error = EngineDeadError("the engine was shut down")
+            for stream in self.streams.values():
+                stream.put_nowait(error)
+            self.streams.clear()
+        finally:
+            self._close_socket()
+            self.ctx.destroy(linger=0)
+            self.control.shutdown()
+
+
+def _log_send_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("could not send an abort to the engine: %s", future.exception())

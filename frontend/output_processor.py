@@ -7,6 +7,7 @@ from typing import Any
 
 from frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from protocol.messages import EngineCoreOutput
+from protocol.sampling_params import RequestOutputKind
 
 # How many prompt tokens to decode along with the first output tokens, so that tokenizers that
 # drop a leading space on the first token of a string (SentencePiece) get the spacing right.
@@ -57,6 +58,9 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         self.completion = CompletionOutput(index=0, text="", token_ids=[])
         self.num_cached_tokens = 0
+        # What a streaming consumer has been handed already (for RequestOutputKind.DELTA).
+        self.num_streamed_tokens = 0
+        self.num_streamed_chars = 0
 
     def update(self, out: EngineCoreOutput) -> None:
         now = time.time()
@@ -84,6 +88,30 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[self.completion],
             finished=self.completion.finished(),
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+
+    def to_stream_output(self, kind: RequestOutputKind) -> RequestOutput | None:
+        """The output for a streaming consumer now: everything so far (CUMULATIVE), what is new
+        since the last call (DELTA), or None until the request finishes (FINAL_ONLY). Each
+        output is a fresh object, so a consumer may keep it while the stream goes on."""
+        completion = self.completion
+        if kind == RequestOutputKind.FINAL_ONLY and not completion.finished():
+            return None
+        token_ids, text = completion.token_ids, completion.text
+        if kind == RequestOutputKind.DELTA:
+            token_ids, text = token_ids[self.num_streamed_tokens :], text[self.num_streamed_chars :]
+        self.num_streamed_tokens, self.num_streamed_chars = len(completion.token_ids), len(completion.text)
+        streamed = CompletionOutput(index=completion.index, text=text, token_ids=list(token_ids),
+                                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[streamed],
+            finished=completion.finished(),
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )

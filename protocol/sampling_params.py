@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import msgspec
 
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs)
+
+
+class RequestOutputKind(IntEnum):
+    """What a streaming consumer (AsyncLLM.generate) receives, as in vLLM."""
+
+    CUMULATIVE = 0  # every output holds all tokens / text so far
+    DELTA = 1  # every output holds only what is new since the previous one
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -35,8 +45,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Return the sampled token's logprob and rank plus this many top alternatives (0: just the
     # sampled token's), per generated token. Of the model's raw distribution, as vLLM V1 reports.
     logprobs: int | None = None
+    # Only the frontend reads it (the engine streams token ids either way); an int on the wire.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        try:  # also takes the plain ints 0 / 1 / 2
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
+                             f"got {self.output_kind!r}.") from None
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

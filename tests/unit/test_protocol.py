@@ -23,7 +23,7 @@ from protocol.messages import (
     WorkerCall,
     WorkerReply,
 )
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import RequestOutputKind, SamplingParams
 from protocol.serial import (
     encode,
     engine_input_decoder,
@@ -50,6 +50,8 @@ def test_core_imports_no_torch() -> None:
                            arrival_time=1.5, eos_token_ids=[0]), engine_input_decoder),
         (EngineCoreRequest(request_id="a", prompt_token_ids=[1], sampling_params=SamplingParams(),
                            arrival_time=1.5, priority=-3, cache_salt="s"), engine_input_decoder),
+        (EngineCoreRequest(request_id="a", prompt_token_ids=[1], arrival_time=1.5,
+                           sampling_params=SamplingParams(output_kind=RequestOutputKind.DELTA)), engine_input_decoder),
         (AbortRequests(["a", "b"]), engine_input_decoder),
         (UtilityCall(7, "get_engine_info"), engine_input_decoder),
         (Shutdown(), engine_input_decoder),
@@ -86,6 +88,8 @@ def test_malformed_message_is_rejected_by_the_decoder() -> None:
         (dict(max_tokens=0), "max_tokens must be >= 1"),
         (dict(seed=-1), "seed must be in"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(output_kind=3), "output_kind must be a RequestOutputKind"),
+        (dict(output_kind="delta"), "output_kind must be a RequestOutputKind"),
     ],
 )
 def test_sampling_params_validation(kwargs, message) -> None:
@@ -96,6 +100,11 @@ def test_sampling_params_validation(kwargs, message) -> None:
 def test_sampling_params_defaults_match_vllm() -> None:
     p = SamplingParams()
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.seed) == (1.0, 1.0, 0, 16, False, None)
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
+    # vLLM's values; plain ints are taken too.
+    assert [k.value for k in RequestOutputKind] == [0, 1, 2] and [k.name for k in RequestOutputKind] == [
+        "CUMULATIVE", "DELTA", "FINAL_ONLY"]
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
 
 
 def test_engine_config_reads_the_model(tiny_llama) -> None:

@@ -1,0 +1,178 @@
+"""AsyncLLM: the asyncio API (vLLM's `AsyncLLM`), for servers and anything else that streams.
+
+    async for out in engine.generate(prompt, params, request_id="r1"):
+        ...  # a RequestOutput each time tokens arrive; the last one has finished=True
+
+One background task (AsyncEngineCoreClient) owns the engine socket and routes each request's
+EngineCoreOutputs to that request's queue; the stream that consumes a queue detokenizes and
+builds the RequestOutputs, so a slow consumer gets one output for several steps instead of a
+backlog. A stream that is cancelled, broken out of or closed aborts its request in the engine,
+which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import AsyncGenerator, Coroutine, Iterable
+from typing import Any, TypeVar
+
+from frontend.core_client import AsyncEngineCoreClient, EngineDeadError
+from frontend.input_processor import InputProcessor, PromptType
+from frontend.model_download import resolve_model
+from frontend.output_processor import RequestState
+from frontend.outputs import RequestOutput
+from protocol.config import EngineConfig
+from protocol.messages import EngineStats
+from protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncLLM:
+    """A language model serving many concurrent streams from one event loop.
+
+    model and **engine_kwargs: as for LLM (tokenizer, max_num_batched_tokens, max_num_seqs,
+    block_size, num_gpu_blocks, max_model_len, device, dtype, seed, load_format,
+    enable_prefix_caching, scheduling_policy, ...). engine_address: attach to an engine started
+    with `minivllm engine` instead of spawning one (engine_kwargs are then ignored).
+
+    Build it anywhere; use it from one event loop at a time (a later asyncio.run may take over).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        skip_tokenizer_init: bool = False,
+        engine_address: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if engine_address is not None:
+            self.client = AsyncEngineCoreClient.attach(engine_address)
+        else:
+            # The engine processes only see HF directories: fetch / convert here, in the frontend.
+            self.client = AsyncEngineCoreClient.spawn(EngineConfig.create(resolve_model(model), **engine_kwargs))
+        # Stop the engine when this object is collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        self.engine_info = self.client.engine_info
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.engine_info.tokenizer)
+        self.input_processor = InputProcessor(self.engine_info, self.tokenizer)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's RequestOutputs as its tokens arrive, shaped by
+        sampling_params.output_kind (CUMULATIVE: all so far; DELTA: only the new tokens and
+        text; FINAL_ONLY: just the last). The last output has finished=True.
+
+        Raises ValueError for bad input or a request_id already running (nothing reaches the
+        engine then), EngineDeadError if the engine dies meanwhile.
+        """
+        if self.client.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already running; give each live request its own id.")
+        request, prompt_text = self.input_processor.process(request_id, prompt, sampling_params, priority)
+        state = RequestState(request_id, prompt_text, request.prompt_token_ids, self.tokenizer, request.arrival_time)
+        kind = sampling_params.output_kind
+        stream = await self.client.add_request(request)
+        finished = False
+        try:
+            while not finished:
+                items = [await stream.get()]
+                while not stream.empty():  # whatever piled up while the consumer was busy
+                    items.append(stream.get_nowait())
+                for item in items:
+                    if isinstance(item, EngineDeadError):
+                        raise EngineDeadError(str(item))  # one exception object per stream
+                    state.update(item)
+                finished = state.completion.finished()
+                output = state.to_stream_output(kind)
+                if output is not None:
+                    yield output
+        finally:
+            # Cancelled, broken out of (GeneratorExit) or failed: stop the request in the engine.
+            if not finished:
+                self.client.abort_requests([request_id], drop_streams=True)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests by id; the engine frees their KV blocks at once. Their streams end with
+        an output with finish_reason "abort" and the tokens made so far. Finished or unknown ids
+        are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.client.abort_requests(ids)
+
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def get_unfinished_request_ids(self) -> list[str]:
+        """Ids of this AsyncLLM's requests the engine has not finished."""
+        return self.client.get_unfinished_request_ids()
+
+    async def get_num_unfinished_requests(self) -> int:
+        """Requests the engine holds (running or waiting), this frontend's and any other's."""
+        return await self.client.call_utility("get_num_unfinished_requests", type=int)
+
+    async def get_stats(self) -> EngineStats:
+        """The engine's scheduler stats (see LLM.get_stats)."""
+        return await self.client.call_utility("get_stats", type=EngineStats)
+
+    async def do_log_stats(self) -> None:
+        """Have the engine log its stats line now."""
+        await self.client.call_utility("log_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block; only possible while no request runs."""
+        return await self.client.call_utility("reset_prefix_cache", type=bool)
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError unless the engine answers."""
+        await self.client.call_utility("check_health")
+
+    @property
+    def errored(self) -> bool:
+        return self.client.dead_reason is not None
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored and self._finalizer.alive
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(self.client.dead_reason or "the engine is dead")
+
+    def shutdown(self) -> None:
+        """Stop the engine this AsyncLLM spawned (or detach from an attached one)."""
+        self._finalizer()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on uvloop when it is installed (`pip install minivllm[async]`), else on asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
