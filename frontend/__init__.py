@@ -3,8 +3,8 @@
 from frontend.async_llm import AsyncLLM
 from frontend.core_client import EngineDeadError
 from frontend.llm import LLM
-from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from protocol.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "EngineDeadError"]
+           "Logprob", "EngineDeadError"]

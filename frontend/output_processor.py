@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from protocol.messages import EngineCoreOutput
+from frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from protocol.messages import EngineCoreOutput, TokenLogprobs
 from protocol.sampling_params import RequestOutputKind
 
 # How many prompt tokens to decode along with the first output tokens, so that tokenizers that
@@ -73,6 +73,8 @@ class RequestState:
             self.metrics.finished_time = now
         self.num_cached_tokens = out.num_cached_tokens
         self.completion.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            self._add_logprobs(out.new_logprobs)
         if self.detokenizer is not None:
             if out.new_token_ids:
                 self.completion.text += self.detokenizer.add_tokens(out.new_token_ids)
@@ -80,6 +82,17 @@ class RequestState:
                 self.completion.text += self.detokenizer.flush()
         self.completion.finish_reason = out.finish_reason
         self.completion.stop_reason = out.stop_reason
+
+    def _add_logprobs(self, entry: TokenLogprobs) -> None:
+        """The sampled token (at its rank) and the top-k alternatives (ranks 1..k), by token id."""
+        completion = self.completion
+        ranks = [entry.sampled_rank, *range(1, len(entry.token_ids))]
+        decode = (lambda t: self.detokenizer.tokenizer.decode([t])) if self.detokenizer else (lambda t: None)
+        position: dict[int, Logprob] = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, ranks):
+            position.setdefault(token_id, Logprob(logprob, rank, decode(token_id)))  # sampled one first
+        completion.logprobs = (completion.logprobs or []) + [position]
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + entry.logprobs[0]
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -100,11 +113,14 @@ class RequestState:
         completion = self.completion
         if kind == RequestOutputKind.FINAL_ONLY and not completion.finished():
             return None
-        token_ids, text = completion.token_ids, completion.text
+        token_ids, text, logprobs = completion.token_ids, completion.text, completion.logprobs
         if kind == RequestOutputKind.DELTA:
             token_ids, text = token_ids[self.num_streamed_tokens :], text[self.num_streamed_chars :]
+            logprobs = None if logprobs is None else logprobs[self.num_streamed_tokens :]
         self.num_streamed_tokens, self.num_streamed_chars = len(completion.token_ids), len(completion.text)
         streamed = CompletionOutput(index=completion.index, text=text, token_ids=list(token_ids),
+                                    cumulative_logprob=completion.cumulative_logprob,
+                                    logprobs=None if logprobs is None else list(logprobs),
                                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
         return RequestOutput(
             request_id=self.request_id,

@@ -6,12 +6,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability (of the model's raw distribution) and its rank (1 = likeliest)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: token id -> Logprob, holding the sampled token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when asked
+    logprobs: SampleLogprobs | None = None  # when SamplingParams.logprobs is set
     finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
     stop_reason: int | str | None = None  # the stop token id (or string) that ended it
 

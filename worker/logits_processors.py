@@ -25,7 +25,7 @@ def apply_logits_processors(logits: torch.Tensor, batch: InputBatch, rows: np.nd
     process = batch.processes_logits[rows]
     if not process.any():
         return logits
-    logits = logits.float()
+    logits = logits.to(torch.float32, copy=True)  # the raw logits stay intact (logprobs read them)
     device, vocab_size = logits.device, logits.shape[1]
     which = np.flatnonzero(process)  # positions in `rows`
     num_output = batch.num_tokens[rows[which]] - batch.num_prompt_tokens[rows[which]]

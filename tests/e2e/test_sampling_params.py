@@ -85,3 +85,34 @@ def test_out_of_vocab_ids_are_value_errors(llm, kwargs, message) -> None:
 def test_sampling_params_validation(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_match_hf_log_softmax(llm, tiny_llama) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3,
+                            repetition_penalty=1.3)  # logprobs are of the raw distribution, penalty or not
+    out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 6
+    ids = list(out.prompt_token_ids)
+    total = 0.0
+    for token_id, position in zip(completion.token_ids, completion.logprobs):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+        sampled = position[token_id]
+        assert abs(sampled.logprob - expected[token_id].item()) < 1e-4
+        assert sampled.rank == int((expected > expected[token_id]).sum()) + 1
+        top = expected.topk(3)
+        for rank, (lp, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert tid in position and abs(position[tid].logprob - lp) < 1e-4
+            if tid != token_id:
+                assert position[tid].rank == rank
+        assert sampled.decoded_token == llm.get_tokenizer().decode([token_id])
+        total += sampled.logprob
+        ids.append(token_id)
+    assert abs(completion.cumulative_logprob - total) < 1e-6
+    plain = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
