@@ -84,7 +84,8 @@ class AsyncLLM:
         if self.client.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running; give each live request its own id.")
         request, prompt_text = self.input_processor.process(request_id, prompt, sampling_params, priority)
-        state = RequestState(request_id, prompt_text, request.prompt_token_ids, self.tokenizer, request.arrival_time)
+        state = RequestState(request_id, prompt_text, request.prompt_token_ids, self.tokenizer, request.arrival_time,
+                             sampling_params)
         kind = sampling_params.output_kind
         stream = await self.client.add_request(request)
         finished = False
@@ -97,13 +98,15 @@ class AsyncLLM:
                     if isinstance(item, EngineDeadError):
                         raise EngineDeadError(str(item))  # one exception object per stream
                     state.update(item)
+                    if state.completion.finished():  # later items (after a stop string) don't count
+                        break
                 finished = state.completion.finished()
                 output = state.to_stream_output(kind)
                 if output is not None:
                     yield output
         finally:
             # Cancelled, broken out of (GeneratorExit) or failed: stop the request in the engine.
-            if not finished:
+            if not finished or state.stopped_by_string:  # the engine knows no stop strings
                 self.client.abort_requests([request_id], drop_streams=True)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:

@@ -36,6 +36,9 @@ class InputProcessor:
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty str, got {cache_salt!r}.")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer (this engine was made with skip_tokenizer_init=True); "
+                             "use stop_token_ids.")
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
         request = EngineCoreRequest(

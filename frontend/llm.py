@@ -181,11 +181,14 @@ class LLM:
         try:
             for request, prompt_text in requests:
                 output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
-                                             request.arrival_time)
+                                             request.arrival_time, request.sampling_params)
                 self.client.add_request(request)
             with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while output_processor.has_unfinished_requests():
-                    for finished in output_processor.process_outputs(self.client.get_outputs()):
+                    finished_outputs, stopped_here = output_processor.process_outputs(self.client.get_outputs())
+                    if stopped_here:  # a stop string: the engine does not know to stop them
+                        self.client.abort_requests(stopped_here)
+                    for finished in finished_outputs:
                         results[order[finished.request_id]] = finished
                         bar.update(1)
         except BaseException:  # Ctrl-C or a dead engine: leave nothing running behind us

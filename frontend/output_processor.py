@@ -7,7 +7,7 @@ from typing import Any
 
 from frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from protocol.messages import EngineCoreOutput, TokenLogprobs
-from protocol.sampling_params import RequestOutputKind
+from protocol.sampling_params import RequestOutputKind, SamplingParams
 
 # How many prompt tokens to decode along with the first output tokens, so that tokenizers that
 # drop a leading space on the first token of a string (SentencePiece) get the spacing right.
@@ -50,8 +50,13 @@ class IncrementalDetokenizer:
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], tokenizer: Any | None,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, params: SamplingParams | None = None):
         self.request_id = request_id
+        self.stop_strings = list((params.stop if params is not None else None) or [])
+        self.include_stop_str = params is not None and params.include_stop_str_in_output
+        # Set when a stop string ended the request here: the engine, which knows no strings, must
+        # be told to stop it.
+        self.stopped_by_string = False
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -75,6 +80,7 @@ class RequestState:
         self.completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             self._add_logprobs(out.new_logprobs)
+        old_length = len(self.completion.text)
         if self.detokenizer is not None:
             if out.new_token_ids:
                 self.completion.text += self.detokenizer.add_tokens(out.new_token_ids)
@@ -82,6 +88,22 @@ class RequestState:
                 self.completion.text += self.detokenizer.flush()
         self.completion.finish_reason = out.finish_reason
         self.completion.stop_reason = out.stop_reason
+        if self.stop_strings and not self.stopped_by_string:
+            self._check_stop_strings(old_length)
+
+    def _check_stop_strings(self, old_length: int) -> None:
+        """End the request at the first stop string in the text (one may span several tokens, so
+        the search starts far enough back to catch one that began in earlier text)."""
+        text = self.completion.text
+        longest = max(map(len, self.stop_strings))
+        search_from = max(0, old_length - longest + 1)
+        found = [(i, s) for s in self.stop_strings if (i := text.find(s, search_from)) >= 0]
+        if not found:
+            return
+        index, stop = min(found)
+        self.completion.text = text[: index + len(stop) if self.include_stop_str else index]
+        self.completion.finish_reason, self.completion.stop_reason = "stop", stop
+        self.stopped_by_string = True
 
     def _add_logprobs(self, entry: TokenLogprobs) -> None:
         """The sampled token (at its rank) and the top-k alternatives (ranks 1..k), by token id."""
@@ -114,10 +136,14 @@ class RequestState:
         if kind == RequestOutputKind.FINAL_ONLY and not completion.finished():
             return None
         token_ids, text, logprobs = completion.token_ids, completion.text, completion.logprobs
+        if self.stop_strings and not completion.finished():
+            # Hold back what could be the start of a stop string, so it is never shown then taken back.
+            text = text[: max(len(text) - (max(map(len, self.stop_strings)) - 1), self.num_streamed_chars)]
         if kind == RequestOutputKind.DELTA:
             token_ids, text = token_ids[self.num_streamed_tokens :], text[self.num_streamed_chars :]
             logprobs = None if logprobs is None else logprobs[self.num_streamed_tokens :]
-        self.num_streamed_tokens, self.num_streamed_chars = len(completion.token_ids), len(completion.text)
+        self.num_streamed_tokens = len(completion.token_ids)
+        self.num_streamed_chars = self.num_streamed_chars + len(text) if kind == RequestOutputKind.DELTA else len(text)
         streamed = CompletionOutput(index=completion.index, text=text, token_ids=list(token_ids),
                                     cumulative_logprob=completion.cumulative_logprob,
                                     logprobs=None if logprobs is None else list(logprobs),
@@ -139,20 +165,24 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    arrival_time: float | None = None) -> None:
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, self.tokenizer, arrival_time)
+                    arrival_time: float | None = None, params: SamplingParams | None = None) -> None:
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, self.tokenizer, arrival_time,
+                                                 params)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        """Apply the engine's outputs; return the RequestOutputs that finished with them."""
-        finished = []
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply the engine's outputs. Returns the RequestOutputs that finished with them, and the
+        ids of requests a stop string ended here, which the engine must be told to abort."""
+        finished, stopped_here = [], []
         for out in outputs:
             state = self.requests.get(out.request_id)
-            if state is None:  # aborted here already
+            if state is None:  # finished here already (a stop string), or aborted
                 continue
             state.update(out)
-            if out.finish_reason is not None:
+            if state.completion.finished():
+                if state.stopped_by_string and out.finish_reason is None:
+                    stopped_here.append(out.request_id)
                 finished.append(self.requests.pop(out.request_id).to_output())
-        return finished
+        return finished, stopped_here
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -40,6 +40,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_tokens: int = 0  # EOS and stop tokens cannot end the request before this many tokens
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    # Stop strings: the frontend ends the request when its text contains one (trimmed from the
+    # text unless include_stop_str_in_output); a single string is taken as a list of one.
+    stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # sample only among these
     # Return the sampled token's logprob and rank plus this many top alternatives (0: just the
@@ -54,6 +58,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         except ValueError:
             raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
                              f"got {self.output_kind!r}.") from None
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not all(isinstance(x, str) and x for x in self.stop)):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

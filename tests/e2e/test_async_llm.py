@@ -214,3 +214,14 @@ def test_dead_engine_raises_engine_dead_error_in_pending_streams(tiny_llama, vic
     asyncio.run(main())
     async_llm.shutdown()
     assert wait_gone(pids, timeout=10) == []
+
+
+def test_streamed_text_never_shows_a_stop_string(engine) -> None:
+    full = asyncio.run(collect(engine, PROMPTS[3], GREEDY, "stop-free"))[-1].outputs[0].text
+    stop = full[5:7]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=stop,
+                            output_kind=RequestOutputKind.DELTA)
+    outs = asyncio.run(collect(engine, PROMPTS[3], params, "stop-delta"))
+    assert "".join(o.outputs[0].text for o in outs) == full[: full.find(stop)]
+    assert outs[-1].finished and outs[-1].outputs[0].stop_reason == stop
+    asyncio.run(wait_until_idle(engine))

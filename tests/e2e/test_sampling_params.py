@@ -116,3 +116,30 @@ def test_logprobs_match_hf_log_softmax(llm, tiny_llama) -> None:
     plain = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None
+
+
+def test_stop_strings_across_tokens(llm) -> None:
+    free = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = free.text
+    # A stop string that spans a token boundary: two characters around the end of the 4th token.
+    cut = len(llm.get_tokenizer().decode(free.token_ids[:4]))
+    stop = text[cut - 1 : cut + 1]
+    assert len(stop) == 2
+    first = text.find(stop)
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:first] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < len(free.token_ids)  # the engine stopped too (aborted by the frontend)
+    kept = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: first + len(stop)]
+    assert llm.get_stats().num_running_reqs == 0
+
+
+def test_stop_strings_need_the_tokenizer_and_must_be_strings(tiny_llama) -> None:
+    with pytest.raises(ValueError, match="stop must be a non-empty string"):
+        SamplingParams(stop=[""])
+    with LLM(tiny_llama, skip_tokenizer_init=True, max_model_len=64) as llm:
+        with pytest.raises(ValueError, match="stop strings need the tokenizer"):
+            llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(stop="x"), use_tqdm=False)
