@@ -81,6 +81,9 @@ class AsyncLLM:
         Raises ValueError for bad input or a request_id already running (nothing reaches the
         engine then), EngineDeadError if the engine dies meanwhile.
         """
+        if sampling_params.n != 1:
+            raise ValueError(f"AsyncLLM streams one completion per request; got n={sampling_params.n} "
+                             "(use n=1, or LLM.generate for n > 1).")
         if self.client.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running; give each live request its own id.")
         request, prompt_text = self.input_processor.process(request_id, prompt, sampling_params, priority)

@@ -15,7 +15,7 @@ from frontend.chat import Conversation, as_conversations, render_chat_prompt
 from frontend.core_client import EngineCoreClient
 from frontend.input_processor import InputProcessor, PromptType
 from frontend.model_download import resolve_model
-from frontend.output_processor import OutputProcessor
+from frontend.output_processor import OutputProcessor, fan_out
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
 from protocol.messages import EngineStats
@@ -90,6 +90,7 @@ class LLM:
             self.tokenizer = AutoTokenizer.from_pretrained(self.engine_info.tokenizer)
         self.input_processor = InputProcessor(self.engine_info, self.tokenizer)
         self.request_counter = itertools.count()
+        self.child_ids: dict[str, list[str]] = {}  # request id -> its engine requests, when n > 1
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -154,6 +155,7 @@ class LLM:
         with finish_reason "abort" and the tokens made so far. Finished or unknown ids are
         ignored. Safe from any thread."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids += [child for i in ids for child in self.child_ids.get(i, ())]  # n > 1: its completions
         self.client.abort_requests(ids)
 
     def get_unfinished_request_ids(self) -> list[str]:
@@ -180,9 +182,12 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
             for request, prompt_text in requests:
-                output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
-                                             request.arrival_time, request.sampling_params)
-                self.client.add_request(request)
+                child_ids = output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
+                                                         request.arrival_time, request.sampling_params)
+                if len(child_ids) > 1:
+                    self.child_ids[request.request_id] = child_ids
+                for engine_request in fan_out(request):
+                    self.client.add_request(engine_request)
             with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while output_processor.has_unfinished_requests():
                     finished_outputs, stopped_here = output_processor.process_outputs(self.client.get_outputs())
@@ -194,6 +199,9 @@ class LLM:
         except BaseException:  # Ctrl-C or a dead engine: leave nothing running behind us
             self.client.abort_requests(list(output_processor.requests))
             raise
+        finally:
+            for request, _ in requests:
+                self.child_ids.pop(request.request_id, None)
         return results  # type: ignore[return-value]
 
     def shutdown(self) -> None:

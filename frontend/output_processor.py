@@ -6,7 +6,9 @@ import time
 from typing import Any
 
 from frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from protocol.messages import EngineCoreOutput, TokenLogprobs
+import msgspec
+
+from protocol.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from protocol.sampling_params import RequestOutputKind, SamplingParams
 
 # How many prompt tokens to decode along with the first output tokens, so that tokenizers that
@@ -159,15 +161,62 @@ class RequestState:
         )
 
 
+class ParentRequest:
+    """A prompt with n > 1 completions: the engine runs n child requests (fan_out), and their
+    completions are gathered here into one RequestOutput."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.completions: list[CompletionOutput | None] = [None] * n
+        self.num_cached_tokens = 0
+
+    def finish_child(self, state: RequestState) -> RequestOutput | None:
+        """Record a finished child; once all are in, the gathered output."""
+        self.completions[state.completion.index] = state.completion
+        self.num_cached_tokens = max(self.num_cached_tokens, state.num_cached_tokens)
+        if any(c is None for c in self.completions):
+            return None
+        output = state.to_output()
+        output.request_id, output.outputs = self.request_id, list(self.completions)
+        output.num_cached_tokens = self.num_cached_tokens
+        return output
+
+
+def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
+    """The engine requests behind one user request: itself, or n children "<id>_<k>" with n = 1
+    (a seeded request's child k gets seed + k, so the n completions differ yet reproduce)."""
+    params = request.sampling_params
+    if params.n == 1:
+        return [request]
+    return [
+        msgspec.structs.replace(
+            request, request_id=f"{request.request_id}_{k}",
+            sampling_params=msgspec.structs.replace(
+                params, n=1, seed=None if params.seed is None else (params.seed + k) % 2**63),
+        )
+        for k in range(params.n)
+    ]
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # by engine request id (children for n > 1)
+        self.parents: dict[str, ParentRequest] = {}  # by child id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    arrival_time: float | None = None, params: SamplingParams | None = None) -> None:
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, self.tokenizer, arrival_time,
-                                                 params)
+                    arrival_time: float | None = None, params: SamplingParams | None = None) -> list[str]:
+        """Track a user request; returns the engine request ids behind it (see fan_out)."""
+        n = 1 if params is None else params.n
+        child_ids = [request_id] if n == 1 else [f"{request_id}_{k}" for k in range(n)]
+        parent = ParentRequest(request_id, n) if n > 1 else None
+        for index, child_id in enumerate(child_ids):
+            state = RequestState(child_id, prompt, prompt_token_ids, self.tokenizer, arrival_time, params)
+            state.completion.index = index
+            self.requests[child_id] = state
+            if parent is not None:
+                self.parents[child_id] = parent
+        return child_ids
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Apply the engine's outputs. Returns the RequestOutputs that finished with them, and the
@@ -181,7 +230,11 @@ class OutputProcessor:
             if state.completion.finished():
                 if state.stopped_by_string and out.finish_reason is None:
                     stopped_here.append(out.request_id)
-                finished.append(self.requests.pop(out.request_id).to_output())
+                del self.requests[out.request_id]
+                parent = self.parents.pop(out.request_id, None)
+                output = state.to_output() if parent is None else parent.finish_child(state)
+                if output is not None:
+                    finished.append(output)
         return finished, stopped_here
 
     def has_unfinished_requests(self) -> bool:

@@ -25,6 +25,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     whatever else shares its batch.
     """
 
+    n: int = 1  # completions per prompt (LLM.generate fans them out; they share the prompt's KV)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -62,6 +63,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.stop is not None and (not all(isinstance(x, str) and x for x in self.stop)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}.")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

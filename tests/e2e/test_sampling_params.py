@@ -143,3 +143,22 @@ def test_stop_strings_need_the_tokenizer_and_must_be_strings(tiny_llama) -> None
     with LLM(tiny_llama, skip_tokenizer_init=True, max_model_len=64) as llm:
         with pytest.raises(ValueError, match="stop strings need the tokenizer"):
             llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(stop="x"), use_tqdm=False)
+
+
+def test_n_completions_share_the_prompt_and_reproduce(llm) -> None:
+    prompt = "A paged attention kernel reads keys and values from fixed-size blocks of memory, so many"
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    first = llm.generate([prompt, "Hello"], params, use_tqdm=False)
+    out = first[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and out.request_id == first[0].request_id
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # samples differ
+    assert len(first[1].outputs) == 4
+    # The children share the prompt: the prefix cache serves it to all but the first.
+    assert out.num_cached_tokens > 0
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    greedy = llm.generate(prompt, SamplingParams(n=2, temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    assert llm.get_stats().num_running_reqs == 0
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingParams(n=0)
