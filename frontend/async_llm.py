@@ -59,12 +59,8 @@ class AsyncLLM:
         # Stop the engine when this object is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.engine_info = self.client.engine_info
-        self.tokenizer = None
-        if not skip_tokenizer_init:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.engine_info.tokenizer)
-        self.input_processor = InputProcessor(self.engine_info, self.tokenizer)
+        self.input_processor = InputProcessor.for_engine(self.engine_info, skip_tokenizer_init)
+        self.tokenizer = self.input_processor.tokenizer
 
     async def generate(
         self,

@@ -22,6 +22,16 @@ class InputProcessor:
         self.info = engine_info
         self.tokenizer = tokenizer
 
+    @classmethod
+    def for_engine(cls, engine_info: EngineInfo, skip_tokenizer_init: bool) -> "InputProcessor":
+        """With the engine's tokenizer loaded through transformers (none if skip_tokenizer_init)."""
+        tokenizer = None
+        if not skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(engine_info.tokenizer)
+        return cls(engine_info, tokenizer)
+
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> tuple[EngineCoreRequest, str | None]:

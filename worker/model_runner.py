@@ -75,6 +75,10 @@ class ModelRunner:
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.seed_rng = np.random.default_rng(config.seed)  # row seeds of the fused CUDA sampler
+        if self.device.type == "cuda":
+            from worker.fused_sampling import row_seeds  # needs Triton: CUDA builds of torch only
+
+            self.row_seeds = row_seeds
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.device)
         self.buffers: StepBuffers | None = None
         if self.device.type == "cuda":  # persistent inputs: graphs read them, steps copy into them
@@ -208,9 +212,7 @@ class ModelRunner:
         logits = apply_logits_processors(raw_logits, batch, rows)
         generators = [batch.generators[r] for r in rows]
         if self.device.type == "cuda":
-            from worker.fused_sampling import row_seeds  # Triton: CUDA builds only
-
-            seeds = row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
+            seeds = self.row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
             sampled_ids = self.sampler.sample_rows(logits, batch.temperature[rows], batch.top_k[rows],
                                                    batch.top_p[rows], generators, seeds, batch.min_p[rows])
         else:
