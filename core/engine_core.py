@@ -21,6 +21,7 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 import msgspec
@@ -39,6 +40,7 @@ from protocol.messages import (
     EngineInfo,
     EngineStats,
     ModelRunnerOutput,
+    SchedulerOutput,
     Shutdown,
     UtilityCall,
     UtilityResult,
@@ -122,6 +124,8 @@ class EngineCore:
             raise
         self.num_gpu_blocks = num_gpu_blocks
         self.scheduler = Scheduler(config, num_gpu_blocks)
+        # Async scheduling: steps sent to the workers whose tokens have not come back, oldest first.
+        self.steps_in_flight: deque[SchedulerOutput] = deque()
         self.step_timer = StepTimer()
         capacity = num_gpu_blocks * config.block_size
         logger.info(
@@ -145,8 +149,13 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.steps_in_flight)
+
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and turn its tokens into outputs."""
+        if self.config.async_scheduling:
+            return self.step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
         t0 = time.perf_counter()
@@ -156,6 +165,33 @@ class EngineCore:
             model_output = self.executor.execute_model(scheduler_output)
         else:
             model_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.step_timer.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return outputs
+
+    def step_async(self) -> list[EngineCoreOutput]:
+        """Keep the workers one step ahead: schedule and submit step N+1, then wait for step N's
+        tokens and turn them into outputs while the workers already run N+1. The scheduler counts
+        N's tokens as placeholders meanwhile; the workers have them by the time they run N+1."""
+        t0 = time.perf_counter()
+        submitted = False
+        if self.scheduler.has_unfinished_requests() and len(self.steps_in_flight) < 2:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                self.executor.submit(scheduler_output)
+                self.steps_in_flight.append(scheduler_output)
+                submitted = True
+            else:  # nothing runnable until a step in flight reports (or ever, if none is)
+                empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+                outputs = self.scheduler.update_from_output(scheduler_output, empty)
+                if not self.steps_in_flight:
+                    return outputs
+        t1 = time.perf_counter()
+        if not self.steps_in_flight or (submitted and len(self.steps_in_flight) < 2):
+            return []  # the pipeline is filling: schedule the next step first
+        scheduler_output = self.steps_in_flight.popleft()
+        model_output = self.executor.receive_output()
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.step_timer.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
@@ -220,7 +256,7 @@ class EngineCoreProc(EngineCore):
     def run_busy_loop(self) -> None:
         try:
             while not self.stopping.is_set():
-                self._process_input(block=not self.scheduler.has_unfinished_requests())
+                self._process_input(block=not self.has_work())
                 outputs = self.step()
                 if outputs:
                     self._send_outputs(outputs)

@@ -68,9 +68,17 @@ class Executor:
         return self._gather_replies(method)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.receive_output()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send a step to every worker without waiting (they queue steps and run them in order)."""
         payload = encode(scheduler_output)
         for sock in self.work_sockets:
             sock.send(payload)
+
+    def receive_output(self) -> ModelRunnerOutput:
+        """The sampled tokens of the oldest step submitted and not yet received."""
         message = self._receive()
         if not isinstance(message, ModelRunnerOutput):
             raise WorkerDiedError(f"expected a model output from rank 0, got {type(message).__name__}")

@@ -56,6 +56,10 @@ class Request:
         self.status = RequestStatus.WAITING
         # Tokens whose KV is in the cache (or will be once the step scheduled for them runs).
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still running in the workers, not yet known here (async
+        # scheduling: the next step is scheduled before this one's tokens arrive). The scheduler
+        # treats them as known for scheduling; the worker already has them when it runs that step.
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         # Prompt tokens found in the prefix cache when first scheduled; -1 until then.
         self.num_cached_tokens = -1

@@ -146,6 +146,10 @@ class Scheduler:
         # (the engine does not send empty steps to the worker, so they must not be lost there).
         self.finished_req_ids: list[str] = []
         self.preempted_req_ids: list[str] = []
+        # The requests each step in flight scheduled, by step id: a token coming back is only
+        # taken by the very request it was computed for (an id may be reused once it finishes).
+        self.step_counter = itertools.count()
+        self.scheduled_requests: dict[int, dict[str, Request]] = {}
 
         # Counters since start, for EngineStats.
         self.num_preemptions = 0
@@ -252,9 +256,10 @@ class Scheduler:
         return self._make_scheduler_output(plan)
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        """Tokens to run for a request this step: what it lacks, capped per request by
-        long_prefill_token_threshold and by what is left of the budget."""
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        """Tokens to run for a request this step: what it lacks (tokens still being sampled
+        count as known), capped per request by long_prefill_token_threshold and by what is left
+        of the budget."""
+        num_new_tokens = request.num_tokens + request.num_output_placeholders - num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         return min(num_new_tokens, token_budget)
@@ -267,7 +272,7 @@ class Scheduler:
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
-            if num_new_tokens <= 0:  # nothing to run until it gets a new token
+            if num_new_tokens <= 0 or self._finishes_in_flight(request):  # nothing to run for now
                 req_index += 1
                 continue
             while True:
@@ -287,6 +292,16 @@ class Scheduler:
             plan.schedule(request, num_new_tokens)
             req_index += 1
         return preempted
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether the tokens still being sampled for a request bring it to max_tokens or
+        max_model_len: then it finishes when they arrive, and running it on would be wasted."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        num_output_tokens = request.num_output_tokens + request.num_output_placeholders
+        return ((max_tokens is not None and num_output_tokens >= max_tokens)
+                or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
     def _schedule_waiting(self, plan: _StepPlan, whole_prompts_only: bool) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
@@ -344,6 +359,7 @@ class Scheduler:
             total_num_scheduled_tokens=total_num_scheduled_tokens,
             finished_req_ids=[],
             preempted_req_ids=[],
+            step_id=next(self.step_counter),
         )
         # Report finished/preempted ids only in a step the worker will see.
         if total_num_scheduled_tokens > 0:
@@ -357,33 +373,42 @@ class Scheduler:
         num_decode_tokens = sum(
             1
             for request, _ in plan.cached_reqs
-            if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+            if request.num_output_tokens + request.num_output_placeholders > 0
+            and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders - 1
         )
         self.num_prefill_tokens += total_num_scheduled_tokens - num_decode_tokens
 
         # The worker will compute these tokens; count them now so the next schedule() sees them.
+        scheduled: dict[str, Request] = {}
         for request_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = scheduled[request_id] = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
+        self.scheduled_requests[scheduler_output.step_id] = scheduled
         return scheduler_output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append each sampled token, stop the requests that are done, report what changed."""
+        """Append each sampled token, stop the requests that are done, report what changed.
+
+        With async scheduling the next step is already scheduled (and maybe running) when this is
+        called; a request finished here may be in it, its extra token is dropped when it arrives.
+        """
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
+        scheduled = self.scheduled_requests.pop(scheduler_output.step_id, {})
         logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
         for request_id, token_id, token_logprobs in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs
         ):
-            request = self.requests.get(request_id)
-            # Aborted (or otherwise gone) since the step was scheduled: drop its token.
-            if (
-                request is None
-                or request.status != RequestStatus.RUNNING
-                or request_id not in scheduler_output.num_scheduled_tokens
-            ):
+            request = scheduled.get(request_id)
+            # Finished, aborted or preempted since the step was scheduled: drop its token (a
+            # preempted request recomputes from its known tokens and samples this one again).
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            request.num_output_placeholders -= 1
             request.output_token_ids.append(token_id)
             self.num_generation_tokens += 1
             if self._check_stop(request, token_id):
@@ -428,6 +453,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # its tokens in flight are dropped when they arrive
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)

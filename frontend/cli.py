@@ -43,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "v0: the pre-V1 scheduler (whole-prompt prefill steps, then decode steps)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request may run in one step (0: no cap)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule the next step while the workers run the current one")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -53,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager, device=args.device, dtype=args.dtype,
         load_format=args.load_format, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, async_scheduling=args.async_scheduling,
     )
 
 

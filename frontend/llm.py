@@ -63,6 +63,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
+        async_scheduling: bool = True,
         engine_address: str | None = None,
     ) -> None:
         if engine_address is not None:
@@ -77,7 +78,7 @@ class LLM:
                 enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
-                long_prefill_token_threshold=long_prefill_token_threshold,
+                long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
             )
             self.client = EngineCoreClient.spawn(config)
         # Stop the engine when this object is collected or the interpreter exits.

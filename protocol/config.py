@@ -46,6 +46,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int = 0
     # Reuse the KV blocks of identical prompt prefixes across requests.
     enable_prefix_caching: bool = True
+    # Schedule step N+1 while the workers run step N (the scheduler counts each sampling request's
+    # next token as a placeholder until it arrives), so the EngineCore's own work and the socket
+    # round trip hide behind the GPU. Outputs are the same either way.
+    async_scheduling: bool = True
     # parallelism
     tensor_parallel_size: int = 1
 
@@ -70,6 +74,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
         enable_prefix_caching: bool = True,
+        async_scheduling: bool = True,
     ) -> "EngineConfig":
         """Validate the user's arguments and fill in what the model's config decides."""
         if not os.path.isdir(model):
@@ -85,6 +90,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _check_at_least("long_prefill_token_threshold", long_prefill_token_threshold, 0)
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}.")
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}.")
         if scheduling_policy == "v0" and long_prefill_token_threshold:
             raise ValueError("long_prefill_token_threshold caps prefill chunks, but scheduling_policy='v0' "
                              "schedules whole prompts; leave it at 0 or use 'fcfs' / 'priority'.")
@@ -144,6 +151,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             scheduling_policy=scheduling_policy,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=async_scheduling,
         )
 
 

@@ -180,6 +180,9 @@ class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
     finished_req_ids: list[str]
     # Requests pushed back to waiting; they come back later as NewRequestData.
     preempted_req_ids: list[str] = []
+    # Counts the scheduler's steps, so the EngineCore can match a step's tokens to it when several
+    # steps are in flight (async scheduling).
+    step_id: int = 0
 
 
 class WorkerCall(msgspec.Struct, tag="call"):

@@ -129,8 +129,9 @@ def test_reset_prefix_cache_and_cache_salt(engines, reference) -> None:
         dict(enable_prefix_caching=True),
         dict(scheduling_policy="priority"),
         dict(scheduling_policy="v0"),
+        dict(async_scheduling=False),
     ],
-    ids=["no-prefix-caching", "prefix-caching", "priority", "v0"],
+    ids=["no-prefix-caching", "prefix-caching", "priority", "v0", "sync-scheduling"],
 )
 def test_greedy_outputs_unchanged_under_heavy_preemption(engines, reference, settings) -> None:
     llm = tiny_cache_engine(engines, **settings)

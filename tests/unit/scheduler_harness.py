@@ -214,7 +214,13 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
         assert block.block_hash == block_hash
 
 
-def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> Run:
+def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000,
+                      pipelined: bool = False) -> Run:
+    """Step until every request finished. pipelined: as the EngineCore with async scheduling,
+    step N+1 is scheduled (and run by the worker, which has step N's tokens) before the
+    scheduler sees step N's tokens."""
+    if pipelined:
+        return _run_pipelined(scheduler, worker, max_steps)
     run = Run(scheduler_outputs=[], outputs={})
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -223,6 +229,35 @@ def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int =
         assert out.total_num_scheduled_tokens > 0, "no progress"
         run.scheduler_outputs.append(out)
         for o in outputs:
+            run.outputs.setdefault(o.request_id, []).append(o)
+    else:
+        raise AssertionError("did not finish")
+    assert_no_leak(scheduler)
+    return run
+
+
+def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int) -> Run:
+    run = Run(scheduler_outputs=[], outputs={})
+    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+    empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests() and not in_flight:
+            break
+        submitted = False
+        if scheduler.has_unfinished_requests() and len(in_flight) < 2:
+            out = scheduler.schedule()
+            check_invariants(scheduler, out)
+            if out.total_num_scheduled_tokens > 0:
+                in_flight.append((out, worker.execute(out)))
+                run.scheduler_outputs.append(out)
+                submitted = True
+            else:
+                assert scheduler.update_from_output(out, empty) == []
+                assert in_flight, "no progress"
+        if not in_flight or (submitted and len(in_flight) < 2):
+            continue
+        out, result = in_flight.pop(0)
+        for o in scheduler.update_from_output(out, result):
             run.outputs.setdefault(o.request_id, []).append(o)
     else:
         raise AssertionError("did not finish")

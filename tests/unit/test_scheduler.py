@@ -90,10 +90,12 @@ def test_add_request_rejects_bad_requests() -> None:
 # ---------------------------------------------------------------- budget and ordering
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16])
 @pytest.mark.parametrize("budget", [7, 32, 512])
-def test_random_workload_respects_budget_and_completes(block_size: int, budget: int, enable_prefix_caching: bool) -> None:
+def test_random_workload_respects_budget_and_completes(block_size: int, budget: int, enable_prefix_caching: bool,
+                                                       pipelined: bool) -> None:
     rng = random.Random(block_size * 1000 + budget)
     scheduler, worker = make_scheduler(
         num_gpu_blocks=cdiv(2048, block_size), block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=6,
@@ -104,7 +106,7 @@ def test_random_workload_respects_budget_and_completes(block_size: int, budget: 
         req_id = f"r{i}"
         max_tokens[req_id] = rng.randint(1, 12)
         scheduler.add_request(make_request(req_id, prompt_token_ids=prompt, max_tokens=max_tokens[req_id]))
-    run = run_to_completion(scheduler, worker)
+    run = run_to_completion(scheduler, worker, pipelined=pipelined)
     for out in run.scheduler_outputs:
         assert out.total_num_scheduled_tokens <= budget
         assert len(out.num_scheduled_tokens) <= 6
@@ -428,11 +430,12 @@ def test_no_admission_in_a_step_with_preemption() -> None:
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "v0"])
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 @pytest.mark.parametrize("block_size", [1, 2, 4])
 def test_tiny_block_pool_completes_every_request_with_preemptions(
-    block_size: int, enable_prefix_caching: bool, policy: str
+    block_size: int, enable_prefix_caching: bool, policy: str, pipelined: bool
 ) -> None:
     max_model_len = 24
     scheduler, worker = make_scheduler(
@@ -450,7 +453,7 @@ def test_tiny_block_pool_completes_every_request_with_preemptions(
         scheduler.add_request(
             make_request(f"r{i}", prompt_token_ids=prompt, max_tokens=8, priority=rng.randint(0, 2))
         )
-    run = run_to_completion(scheduler, worker)
+    run = run_to_completion(scheduler, worker, pipelined=pipelined)
     preempted = [req_id for out in run.scheduler_outputs for req_id in out.preempted_req_ids]
     assert preempted, "the pool should be too small to avoid preemption"
     assert scheduler.num_preemptions == len(preempted)
