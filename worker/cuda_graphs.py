@@ -139,8 +139,9 @@ class StepGraphs:
         self.pool = graph.pool()
         self.graphs[key] = graph
 
-    def run(self, step: StepInputs) -> torch.Tensor | None:
-        """The step's hidden states through a graph, or None when no bucket holds it."""
+    def run(self, step: StepInputs, before_replay: Callable[[], None] | None = None) -> torch.Tensor | None:
+        """The step's hidden states through a graph, or None when no bucket holds it.
+        `before_replay` runs once the inputs are in the buffers (to patch them on the device)."""
         num_seqs, num_tokens = len(step.req_ids), step.num_tokens
         if step.max_query_len == 1:
             key = ("decode", next((b for b in self.decode_buckets if b >= num_seqs), 0))
@@ -151,5 +152,7 @@ class StepGraphs:
         if key not in self.graphs:
             return None
         self.buffers.load(step, padded_tokens=key[1], padded_seqs=padded_seqs)
+        if before_replay is not None:
+            before_replay()
         self.graphs[key].replay()
         return self.outputs[key][:num_tokens]

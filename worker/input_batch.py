@@ -34,6 +34,10 @@ class StepInputs:
     sampling_rows: np.ndarray  # [num_sampling] their requests' persistent rows
     max_query_len: int
     max_seq_len: int
+    # Input tokens not on the host yet (sampled by the previous step, still on the device): their
+    # places in input_ids, and their places in that step's sampled ids.
+    pending_token_index: np.ndarray | None = None
+    pending_source: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +55,9 @@ class InputBatch:
         # + 1: a prompt of max_model_len tokens still samples one token before it stops.
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known tokens per row
+        # A row whose last token is still on the device (see append_pending): its place in the
+        # previous step's sampled ids; -1 when all its tokens are on the host.
+        self.pending = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
@@ -93,6 +100,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
+        self.pending[row] = -1
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self._set_sampling(row, new.sampling_params, new.eos_token_ids)
@@ -101,6 +109,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)  # ids never seen (aborted while waiting) are fine
         if row is not None:
             self.generators[row] = None
+            self.pending[row] = -1
             self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -165,6 +174,9 @@ class InputBatch:
         # A request samples iff this step reaches the end of its known tokens.
         samples = seq_lens == self.num_tokens[rows]
         self.num_computed_tokens[rows] = seq_lens  # written by this step's forward
+        # Tokens the previous step sampled and the host has not seen yet (only ever a row's last).
+        pending_token_index = np.flatnonzero(
+            (self.pending[token_rows] >= 0) & (positions == self.num_tokens[token_rows] - 1))
         return StepInputs(
             req_ids=req_ids,
             input_ids=input_ids,
@@ -178,7 +190,24 @@ class InputBatch:
             sampling_rows=rows[samples],
             max_query_len=int(query_lens.max()),
             max_seq_len=max_seq_len,
+            pending_token_index=pending_token_index,
+            pending_source=self.pending[token_rows[pending_token_index]],
         )
+
+    def append_pending(self, rows: np.ndarray) -> None:
+        """The step just launched samples a token for each of `rows` (in order); their values stay
+        on the device until resolve_pending. The rows count them already, so the next step can be
+        prepared (and its input ids taken from the device) before they arrive."""
+        self.num_tokens[rows] += 1
+        self.pending[rows] = np.arange(len(rows))
+
+    def resolve_pending(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """The values of the tokens append_pending counted. Rows given to another request since
+        (their pending mark was cleared) are skipped."""
+        keep = self.pending[rows] >= 0
+        kept_rows = rows[keep]
+        self.token_ids[kept_rows, self.num_tokens[kept_rows] - 1] = np.asarray(token_ids, dtype=np.int64)[keep]
+        self.pending[kept_rows] = -1
 
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """The sampled tokens become known tokens of their rows."""

@@ -9,12 +9,20 @@ Contract with the scheduler (see protocol/messages.py):
   3. each scheduled request runs its known tokens [num_computed, num_computed + num_scheduled);
      it samples iff that range reaches the end of its known tokens, and the sampled token
      becomes a known token.
+
+Overlapped outputs (on CUDA; MINIVLLM_OVERLAP_OUTPUTS=1/0 forces it on or off): a step's sampled
+ids are not waited for. The step counts them (InputBatch.append_pending) and copies them to the
+host in the background; the next step, prepared meanwhile, takes its input ids for them straight
+from the device, launches its forward, and only then collects the previous step's tokens (long
+since computed) and hands them on. So the GPU never waits for the host between steps. On CPU,
+where nothing runs in the background, this would only hold every token back by one step.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,11 +35,24 @@ from worker.input_batch import InputBatch, StepInputs
 from worker.logits_processors import apply_logits_processors
 from worker.logprobs import sampled_logprobs
 from worker.models.loader import describe, load_model
-from worker.sampler import Sampler, SamplingMetadata
+from worker.sampler import Sampler, SamplingMetadata, reseed_generators
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OVERLAP_ENV = "MINIVLLM_OVERLAP_OUTPUTS"
+_NO_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class PendingStep:
+    """A step whose sampled ids are on their way to the host."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # their persistent-batch rows
+    sampled: torch.Tensor  # [n] on the device; the next step reads input ids from it
+    host: torch.Tensor  # [n] the copy on the host, complete once `copied` has happened
+    copied: torch.cuda.Event | None
 CPU_KVCACHE_ENV = "MINIVLLM_CPU_KVCACHE_GB"
 DEFAULT_CPU_KVCACHE_GB = 1.0
 
@@ -86,6 +107,11 @@ class ModelRunner:
             self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_req,
                                        self.device)
         self.graphs: StepGraphs | None = None
+        overlap = os.environ.get(OVERLAP_ENV)
+        self.overlap_outputs = self.device.type == "cuda" if overlap is None else overlap == "1"
+        self.pending: PendingStep | None = None
+        self.sampled_host = torch.empty(config.max_num_seqs, dtype=torch.int64,
+                                        pin_memory=self.device.type == "cuda")
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
@@ -193,24 +219,32 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its output (nothing held back)."""
+        return [*self.run_step(scheduler_output), *self.finish_pending()][-1]
+
+    @torch.inference_mode()
+    def run_step(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
+        """Run one step. Returns the outputs of the steps completed, oldest first: the previous
+        step's when its tokens were held back, and this step's unless they are held back now."""
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return [*self.finish_pending(), _NO_OUTPUT]
         if not self.kv_caches:
             raise RuntimeError("execute_model before initialize_cache")
 
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
         hidden_states = self._run_model(step)
+        outputs = self.finish_pending()  # the previous step's tokens: needed by the sampling below
         if len(step.sampling_rows) == 0:  # only partial prefill chunks this step
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return [*outputs, _NO_OUTPUT]
 
         logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
         batch, rows = self.input_batch, step.sampling_rows
         raw_logits = self.model.compute_logits(hidden_states[logits_indices])
         logits = apply_logits_processors(raw_logits, batch, rows)
         generators = [batch.generators[r] for r in rows]
+        reseed_generators(generators, batch.seed[rows], batch.num_tokens[rows])
         if self.device.type == "cuda":
             seeds = self.row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
             sampled_ids = self.sampler.sample_rows(logits, batch.temperature[rows], batch.top_k[rows],
@@ -220,10 +254,47 @@ class ModelRunner:
                 batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], generators, self.device,
                 batch.min_p[rows]))
         logprobs = sampled_logprobs(raw_logits, sampled_ids, batch.num_logprobs[rows])
+        sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
+        if self.overlap_outputs and logprobs is None:  # (logprobs synced already: nothing to gain)
+            host = self.sampled_host[: len(rows)]
+            host.copy_(sampled_ids, non_blocking=True)
+            copied = None
+            if self.device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record()
+            self.pending = PendingStep(sampled_req_ids, rows, sampled_ids, host, copied)
+            batch.append_pending(rows)
+            return outputs
         sampled = sampled_ids.tolist()  # the step's one device->host sync (two when logprobs are asked)
         batch.append_sampled(rows, sampled)
-        sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
-        return ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return [*outputs, ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs)]
+
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    def pending_ready(self) -> bool:
+        """Whether the held-back tokens have reached the host (finish_pending would not wait)."""
+        return self.pending is None or self.pending.copied is None or self.pending.copied.query()
+
+    def finish_pending(self) -> list[ModelRunnerOutput]:
+        """The held-back step's output (waiting for its copy if needed), or nothing."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return []
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        sampled = pending.host.tolist()
+        self.input_batch.resolve_pending(pending.rows, sampled)
+        return [ModelRunnerOutput(req_ids=pending.req_ids, sampled_token_ids=sampled)]
+
+    def _patch_pending_inputs(self, step: StepInputs, input_ids: torch.Tensor) -> None:
+        """Input ids the host does not have yet come from the previous step's sampled ids."""
+        if step.pending_token_index is None or not len(step.pending_token_index):
+            return
+        assert self.pending is not None, "a pending input token without a pending step"
+        index = torch.from_numpy(step.pending_token_index).to(self.device, non_blocking=True)
+        source = torch.from_numpy(step.pending_source).to(self.device, non_blocking=True)
+        input_ids[index] = self.pending.sampled[source]
 
     def _run_model(self, step: StepInputs) -> torch.Tensor:
         """One forward pass: a captured graph when one fits the step, else eager."""
@@ -236,13 +307,17 @@ class ModelRunner:
                 max_query_len=step.max_query_len,
                 max_seq_len=step.max_seq_len,
             )
-            return self._forward(torch.from_numpy(step.input_ids), torch.from_numpy(step.positions), metadata)
+            input_ids = torch.from_numpy(step.input_ids)
+            self._patch_pending_inputs(step, input_ids)
+            return self._forward(input_ids, torch.from_numpy(step.positions), metadata)
         if self.graphs is not None:
-            hidden_states = self.graphs.run(step)
+            hidden_states = self.graphs.run(
+                step, before_replay=lambda: self._patch_pending_inputs(step, self.buffers.input_ids))
             if hidden_states is not None:
                 return hidden_states
         metadata = self.buffers.load(step)
         num_tokens = step.num_tokens
+        self._patch_pending_inputs(step, self.buffers.input_ids)
         return self._forward(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens], metadata)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 import traceback
 from typing import Any
 
@@ -18,10 +19,12 @@ import msgspec
 import zmq
 
 from protocol.config import EngineConfig
-from protocol.messages import SchedulerOutput, Shutdown, WorkerCall, WorkerReply
+from protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
 from protocol.serial import encode, worker_input_decoder
 
 logger = logging.getLogger(__name__)
+
+_PENDING_POLL_S = 20e-6
 
 
 class Worker:
@@ -55,17 +58,32 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
     def reply(method: str, result: Any = None, error: str | None = None) -> None:
         result_socket.send(encode(WorkerReply(rank, method, result, error)))
 
+    def send_outputs(outputs: list[ModelRunnerOutput]) -> None:
+        if rank == 0:  # the ranks compute the same tokens; one answers
+            for output in outputs:
+                result_socket.send(encode(output))
+
+    def send_when_ready_or_next_step_arrives() -> None:
+        """A step's tokens are held back while the next step is on its way (see ModelRunner);
+        with no step queued, send them as soon as they reach the host, unless one arrives first."""
+        while not work_socket.poll(0):
+            if runner.pending_ready():
+                send_outputs(runner.finish_pending())
+                return
+            time.sleep(_PENDING_POLL_S)
+
     method = "ready"
     try:
         worker = Worker(config, rank)
+        runner = worker.model_runner
         reply("ready", os.getpid())
         while True:
+            if runner.has_pending():
+                send_when_ready_or_next_step_arrives()
             message = worker_input_decoder.decode(work_socket.recv())
             if isinstance(message, SchedulerOutput):
                 method = "execute_model"
-                output = worker.model_runner.execute_model(message)
-                if rank == 0:
-                    result_socket.send(encode(output))
+                send_outputs(runner.run_step(message))
             elif isinstance(message, WorkerCall):
                 method = message.method
                 reply(method, worker.call(method, message.args))
