@@ -20,7 +20,7 @@ as running every step).
 
 from __future__ import annotations
 
-import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,8 +28,6 @@ import msgspec
 
 from frontend.outputs import Logprob
 from protocol.sampling_params import MAX_LOGPROBS
-
-logger = logging.getLogger(__name__)
 
 # A beam holds at most this many alternatives per step: the engine returns up to MAX_LOGPROBS.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
@@ -60,7 +58,7 @@ class BeamSearchParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite float, got {self.length_penalty!r}.")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}.")
