@@ -119,6 +119,8 @@ class AsyncLLM:
                     changed.add(item.request_id)
                     if state.stopped_by_string:  # the engine knows no stop strings: stop it there
                         self.client.abort_requests([item.request_id], drop_streams=True)
+                if not changed:  # only leftovers of a completion a stop string ended
+                    continue
                 if fanned_out:
                     output = gather_stream_output(request_id, list(children.values()), changed, kind)
                 else:
