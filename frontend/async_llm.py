@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from frontend.core_client import AsyncEngineCoreClient, EngineDeadError
 from frontend.input_processor import InputProcessor, PromptType
 from frontend.model_download import resolve_model
-from frontend.output_processor import RequestState
+from frontend.output_processor import RequestState, fan_out, gather_stream_output
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
 from protocol.messages import EngineStats
@@ -61,6 +61,7 @@ class AsyncLLM:
         self.engine_info = self.client.engine_info
         self.input_processor = InputProcessor.for_engine(self.engine_info, skip_tokenizer_init)
         self.tokenizer = self.input_processor.tokenizer
+        self.child_ids: dict[str, list[str]] = {}  # request id -> its engine requests, when n > 1
 
     async def generate(
         self,
@@ -74,45 +75,71 @@ class AsyncLLM:
         sampling_params.output_kind (CUMULATIVE: all so far; DELTA: only the new tokens and
         text; FINAL_ONLY: just the last). The last output has finished=True.
 
+        With n > 1 the engine runs n child requests ("<request_id>_<k>", as LLM.generate), and
+        each output holds the completions with their `index`: all n (CUMULATIVE, FINAL_ONLY) or
+        those with something new (DELTA); it is finished once all n are. Leaving the stream or
+        abort(request_id) stops all n.
+
         Raises ValueError for bad input or a request_id already running (nothing reaches the
         engine then), EngineDeadError if the engine dies meanwhile.
         """
-        if sampling_params.n != 1:
-            raise ValueError(f"AsyncLLM streams one completion per request; got n={sampling_params.n} "
-                             "(use n=1, or LLM.generate for n > 1).")
-        if self.client.has_request(request_id):
+        if request_id in self.child_ids or self.client.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running; give each live request its own id.")
         request, prompt_text = self.input_processor.process(request_id, prompt, sampling_params, priority)
-        state = RequestState(request_id, prompt_text, request.prompt_token_ids, self.tokenizer, request.arrival_time,
-                             sampling_params)
+        engine_requests = fan_out(request)
+        if any(self.client.has_request(r.request_id) for r in engine_requests):
+            raise ValueError(f"request id {request_id!r} would run as {[r.request_id for r in engine_requests]}, "
+                             "and one of those is already running; give each live request its own id.")
+        children: dict[str, RequestState] = {}
+        for index, engine_request in enumerate(engine_requests):
+            state = RequestState(engine_request.request_id, prompt_text, request.prompt_token_ids, self.tokenizer,
+                                 request.arrival_time, sampling_params)
+            state.completion.index = index
+            children[engine_request.request_id] = state
+        fanned_out = len(engine_requests) > 1
+        if fanned_out:
+            self.child_ids[request_id] = list(children)
         kind = sampling_params.output_kind
-        stream = await self.client.add_request(request)
-        finished = False
+        stream: asyncio.Queue = asyncio.Queue()  # the children's outputs, all in one queue
         try:
-            while not finished:
+            for engine_request in engine_requests:
+                await self.client.add_request(engine_request, stream)
+            while not all(state.completion.finished() for state in children.values()):
                 items = [await stream.get()]
                 while not stream.empty():  # whatever piled up while the consumer was busy
                     items.append(stream.get_nowait())
+                changed: set[str] = set()
                 for item in items:
                     if isinstance(item, EngineDeadError):
                         raise EngineDeadError(str(item))  # one exception object per stream
-                    state.update(item)
+                    state = children[item.request_id]
                     if state.completion.finished():  # later items (after a stop string) don't count
-                        break
-                finished = state.completion.finished()
-                output = state.to_stream_output(kind)
+                        continue
+                    state.update(item)
+                    changed.add(item.request_id)
+                    if state.stopped_by_string:  # the engine knows no stop strings: stop it there
+                        self.client.abort_requests([item.request_id], drop_streams=True)
+                if not changed:  # only leftovers of a completion a stop string ended
+                    continue
+                if fanned_out:
+                    output = gather_stream_output(request_id, list(children.values()), changed, kind)
+                else:
+                    output = children[request_id].to_stream_output(kind)
                 if output is not None:
                     yield output
         finally:
-            # Cancelled, broken out of (GeneratorExit) or failed: stop the request in the engine.
-            if not finished or state.stopped_by_string:  # the engine knows no stop strings
-                self.client.abort_requests([request_id], drop_streams=True)
+            # Cancelled, broken out of (GeneratorExit) or failed: stop what still runs in the engine.
+            self.child_ids.pop(request_id, None)
+            unfinished = [child_id for child_id, state in children.items() if not state.completion.finished()]
+            if unfinished:
+                self.client.abort_requests(unfinished, drop_streams=True)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop requests by id; the engine frees their KV blocks at once. Their streams end with
         an output with finish_reason "abort" and the tokens made so far. Finished or unknown ids
         are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids += [child for i in ids for child in self.child_ids.get(i, ())]  # n > 1: its completions
         self.client.abort_requests(ids)
 
     async def get_tokenizer(self) -> Any:

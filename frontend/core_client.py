@@ -321,12 +321,16 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def add_request(self, request: EngineCoreRequest) -> asyncio.Queue[EngineCoreOutput | EngineDeadError]:
-        """Send the request; its outputs arrive in the returned queue, the last one finished."""
+    async def add_request(
+        self, request: EngineCoreRequest, stream: asyncio.Queue[EngineCoreOutput | EngineDeadError] | None = None
+    ) -> asyncio.Queue[EngineCoreOutput | EngineDeadError]:
+        """Send the request; its outputs arrive in the returned queue, the last one finished.
+        Several requests may share one queue (`stream`: the n completions of one prompt)."""
         self._ensure_connected()
         if request.request_id in self.streams:
             raise ValueError(f"request id {request.request_id!r} is already running; give each live request its own id.")
-        stream: asyncio.Queue[EngineCoreOutput | EngineDeadError] = asyncio.Queue()
+        if stream is None:
+            stream = asyncio.Queue()
         self.streams[request.request_id] = stream
         self.live_request_ids.add(request.request_id)
         try:

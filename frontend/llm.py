@@ -11,15 +11,16 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from frontend.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from frontend.chat import Conversation, as_conversations, render_chat_prompt
 from frontend.core_client import EngineCoreClient
 from frontend.input_processor import InputProcessor, PromptType
 from frontend.model_download import resolve_model
 from frontend.output_processor import OutputProcessor, fan_out
-from frontend.outputs import RequestOutput
+from frontend.outputs import Logprob, RequestOutput
 from protocol.config import EngineConfig
 from protocol.messages import EngineStats
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,54 @@ class LLM:
             for conversation in as_conversations(messages)
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (see frontend/beam_search.py), one BeamSearchOutput per prompt in order,
+        its `sequences` the best params.beam_width hypotheses, best first. Prompts as for
+        generate(). Each step is one batch of one-token engine requests, one per live beam."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        info = self.engine_info
+        # Validate every prompt (and its full length) before anything reaches the engine.
+        full_length = SamplingParams(temperature=0.0, max_tokens=params.max_tokens)
+        prompt_ids, salts, caps = [], [], []
+        for prompt in prompts:
+            request, _ = self.input_processor.process("beam-check", prompt, full_length)
+            if len(request.prompt_token_ids) >= info.max_model_len:
+                raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens, leaving no room to "
+                                 f"generate within max_model_len={info.max_model_len}.")
+            prompt_ids.append(request.prompt_token_ids)
+            salts.append(request.cache_salt)
+            caps.append(info.max_model_len - len(request.prompt_token_ids))
+        num_eos = 0 if params.ignore_eos else len(info.eos_token_ids)
+        # 2 x beam_width alternatives per beam (as HF and vLLM), more if several ids are EOS, so
+        # every beam still offers beam_width non-EOS continuations.
+        step_params = SamplingParams(temperature=params.temperature, max_tokens=1,
+                                     logprobs=min(MAX_LOGPROBS, max(2 * params.beam_width, params.beam_width + num_eos)))
+
+        def next_token_logprobs(sequences: list[tuple[int, list[int]]]) -> list[dict[int, Logprob]]:
+            batch = [{"prompt_token_ids": tokens} if salts[i] is None else
+                     {"prompt_token_ids": tokens, "cache_salt": salts[i]} for i, tokens in sequences]
+            outputs = self.generate(batch, step_params, use_tqdm=False)
+            # An aborted request has no logprobs: that beam simply ends there.
+            return [(out.outputs[0].logprobs or [{}])[0] for out in outputs]
+
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
+            results = run_beam_search(prompt_ids, params, info.eos_token_ids, next_token_logprobs,
+                                      max_tokens_per_prompt=caps, on_step=lambda: bar.update(1))
+        for result in results:
+            for seq in result.sequences:
+                if self.tokenizer is not None:
+                    seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return results
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests by id (RequestOutput.request_id: "0", "1", ... in submission order).

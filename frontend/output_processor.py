@@ -182,6 +182,30 @@ class ParentRequest:
         return output
 
 
+def gather_stream_output(request_id: str, children: list[RequestState], changed: set[str],
+                         kind: RequestOutputKind) -> RequestOutput | None:
+    """A streaming consumer's output for a prompt with n > 1 completions (its children, in index
+    order), once some of them (`changed`) got new outputs: CUMULATIVE holds all n completions so
+    far, DELTA only what is new in the changed ones, FINAL_ONLY all n once every one finished
+    (None before). Each completion carries its `index`. (vLLM's CUMULATIVE holds only the
+    changed completions; holding all n is a superset, and the last output is LLM.generate's.)"""
+    finished = all(child.completion.finished() for child in children)
+    if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        return None
+    shown = [child for child in children if kind != RequestOutputKind.DELTA or child.request_id in changed]
+    completions = [child.to_stream_output(kind).outputs[0] for child in shown]
+    last = next((child for child in reversed(children) if child.request_id in changed), children[-1])
+    return RequestOutput(
+        request_id=request_id,
+        prompt=last.prompt,
+        prompt_token_ids=last.prompt_token_ids,
+        outputs=completions,
+        finished=finished,
+        num_cached_tokens=max(child.num_cached_tokens for child in children),
+        metrics=last.metrics,
+    )
+
+
 def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     """The engine requests behind one user request: itself, or n children "<id>_<k>" with n = 1
     (a seeded request's child k gets seed + k, so the n completions differ yet reproduce)."""

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 
 from frontend import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
@@ -21,14 +22,23 @@ from tests.procs import wait_gone
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)  # runs for many steps
 PROMPTS = [f"Stream number {i} says " * (1 + i % 4) for i in range(64)]
+N3 = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)  # three different samples
 ENGINE_KWARGS = dict(max_num_batched_tokens=64, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama) -> list[list[int]]:
-    """LLM.generate's greedy tokens for PROMPTS: what every stream must end with."""
+def llm_results(tiny_llama) -> tuple[list[list[int]], list[tuple[list[int], str]]]:
+    """LLM.generate's greedy tokens for PROMPTS, and its n = 3 seeded completions (tokens, text) of
+    PROMPTS[4]: what the streams must end with."""
     with LLM(tiny_llama, **ENGINE_KWARGS) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        fanned = llm.generate(PROMPTS[4], N3, use_tqdm=False)[0].outputs
+        return greedy, [(c.token_ids, c.text) for c in fanned]
+
+
+@pytest.fixture(scope="module")
+def expected(llm_results) -> list[list[int]]:
+    return llm_results[0]
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +235,61 @@ def test_streamed_text_never_shows_a_stop_string(engine) -> None:
     assert "".join(o.outputs[0].text for o in outs) == full[: full.find(stop)]
     assert outs[-1].finished and outs[-1].outputs[0].stop_reason == stop
     asyncio.run(wait_until_idle(engine))
+
+
+def test_n_completions_stream_in_one_request_output_per_step(engine, llm_results) -> None:
+    expected = llm_results[1]
+    assert len({tuple(tokens) for tokens, _ in expected}) > 1  # the samples differ
+
+    async def main():
+        kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY]
+        return await asyncio.gather(*(
+            collect(engine, PROMPTS[4], msgspec.structs.replace(N3, output_kind=kind), f"n3-{int(kind)}")
+            for kind in kinds))
+
+    cumulative, deltas, final = asyncio.run(main())
+    assert len(final) == 1 and final[0].finished and final[0].request_id == "n3-2"
+    for outs in (cumulative, final):
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert all([c.index for c in o.outputs] == [0, 1, 2] for o in outs)  # all n, in index order
+        assert [(c.token_ids, c.text) for c in outs[-1].outputs] == expected  # as LLM.generate
+        assert all(c.finish_reason == "length" for c in outs[-1].outputs)
+    assert len(cumulative) > 1 and len(deltas) > 1
+    # DELTA: only the completions with something new, each by index; they add up to the whole.
+    tokens, text = {0: [], 1: [], 2: []}, {0: "", 1: "", 2: ""}
+    for out in deltas:
+        assert out.request_id == "n3-1" and out.outputs and len({c.index for c in out.outputs}) == len(out.outputs)
+        for c in out.outputs:
+            tokens[c.index] += c.token_ids
+            text[c.index] += c.text
+    assert [(tokens[i], text[i]) for i in range(3)] == expected
+    assert deltas[-1].finished and [o.finished for o in deltas].count(True) == 1
+    asyncio.run(wait_until_idle(engine))
+
+
+def test_leaving_or_aborting_an_n_stream_stops_all_its_completions(engine) -> None:
+    long_n = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=100, ignore_eos=True)
+
+    async def break_out():
+        async for out in engine.generate(PROMPTS[0], long_n, request_id="n-broken"):
+            if any(len(c.token_ids) >= 2 for c in out.outputs):
+                assert (await engine.get_stats()).num_running_reqs == 3
+                break
+        await wait_until_idle(engine)
+        assert engine.get_unfinished_request_ids() == []
+
+    async def abort_by_id():
+        outs = []
+        async for out in engine.generate(PROMPTS[0], long_n, request_id="n-victim"):
+            outs.append(out)
+            if len(outs) == 2:
+                with pytest.raises(ValueError, match="already running"):
+                    await collect(engine, PROMPTS[1], GREEDY, "n-victim")
+                await engine.abort("n-victim")
+        await wait_until_idle(engine)
+        return outs
+
+    asyncio.run(break_out())
+    final = asyncio.run(abort_by_id())[-1]
+    assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 3
+    assert all(len(c.token_ids) < long_n.max_tokens for c in final.outputs)
