@@ -373,8 +373,9 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
         logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
-        for request_id, token_id, token_logprobs in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs or [None] * len(model_runner_output.req_ids)
+        for request_id, token_id, token_logprobs, token_prompt_logprobs in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs, prompt_logprobs
         ):
             request = self.requests.get(request_id)
             # Aborted (or otherwise gone) since the step was scheduled: drop its token.
@@ -397,6 +398,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     new_logprobs=token_logprobs,
+                    prompt_logprobs=token_prompt_logprobs,
                 )
             )
         if finished:

@@ -27,6 +27,7 @@ from worker.input_batch import InputBatch, StepInputs
 from worker.logits_processors import apply_logits_processors
 from worker.logprobs import sampled_logprobs
 from worker.models.loader import describe, load_model
+from worker.prompt_logprobs import gather_prompt_logprobs
 from worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,8 @@ class ModelRunner:
 
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
         hidden_states = self._run_model(step)
+        # Before the early return: partial prefill chunks score their prompt tokens too.
+        prompt_logprobs = gather_prompt_logprobs(self.model.compute_logits, hidden_states, step, self.input_batch)
         if len(step.sampling_rows) == 0:  # only partial prefill chunks this step
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
@@ -223,7 +226,10 @@ class ModelRunner:
         sampled = sampled_ids.tolist()  # the step's one device->host sync (two when logprobs are asked)
         batch.append_sampled(rows, sampled)
         sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
-        return ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(
+            req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+            # A prompt's logprobs are finished exactly in the step that samples its first token.
+            prompt_logprobs=[prompt_logprobs.get(r) for r in sampled_req_ids] if prompt_logprobs else None)
 
     def _run_model(self, step: StepInputs) -> torch.Tensor:
         """One forward pass: a captured graph when one fits the step, else eager."""
