@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -22,19 +23,22 @@ class IncrementalDetokenizer:
     sequence), until the next token completes it.
 
     skip_special_tokens drops special tokens from the text. spaces_between_special_tokens=False
-    (only meaningful when special tokens are kept) puts added tokens' text right next to their
-    neighbours, without the spaces a decoder may put around them; True is the tokenizer's own
-    decode (slow tokenizers get the flag as well), as vLLM does for fast tokenizers."""
+    (meaningful only when special tokens are kept) removes the whitespace a decoder puts between
+    two adjacent added tokens ("[SEP] [SEP]" -> "[SEP][SEP]"), as vLLM's fast-tokenizer path does;
+    slow tokenizers get the flag itself too."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        # Added tokens (special or not) by id, for spaces_between_special_tokens=False.
-        self.added_tokens: dict[int, str] = {}
+        # Whitespace between two added tokens' texts, for spaces_between_special_tokens=False.
+        self.space_between_added: re.Pattern | None = None
         if not skip_special_tokens and not spaces_between_special_tokens:
-            self.added_tokens = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+            contents = sorted((t.content for t in tokenizer.added_tokens_decoder.values()), key=len, reverse=True)
+            if contents:
+                alternatives = "|".join(map(re.escape, contents))
+                self.space_between_added = re.compile(f"({alternatives})\\s+(?=(?:{alternatives}))")
         self.token_ids = list(prompt_token_ids[-_PREFIX_CONTEXT:])
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(self.token_ids)  # tokens before this are already in the text
@@ -61,22 +65,11 @@ class IncrementalDetokenizer:
         return self.decode(window[:read]), self.decode(window)
 
     def decode(self, token_ids: list[int]) -> str:
-        if not self.added_tokens:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
-                                         spaces_between_special_tokens=self.spaces_between_special_tokens)
-        # Runs of ordinary tokens decoded as usual; each added token as its bare text; no separators.
-        pieces, run = [], []
-        for token_id in token_ids:
-            if token_id in self.added_tokens:
-                if run:
-                    pieces.append(self.tokenizer.decode(run, skip_special_tokens=False))
-                    run = []
-                pieces.append(self.added_tokens[token_id])
-            else:
-                run.append(token_id)
-        if run:
-            pieces.append(self.tokenizer.decode(run, skip_special_tokens=False))
-        return "".join(pieces)
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+        if self.space_between_added is not None:
+            text = self.space_between_added.sub(r"\1", text)
+        return text
 
 
 class RequestState:
@@ -123,8 +116,13 @@ class RequestState:
             self.prompt_logprobs = self._to_prompt_logprobs(out.prompt_logprobs)
         old_length = len(self.completion.text)
         if self.detokenizer is not None:
-            if out.new_token_ids:
-                self.completion.text += self.detokenizer.add_tokens(out.new_token_ids)
+            new_token_ids = out.new_token_ids
+            if out.finish_reason == "stop" and not self.include_stop_str:
+                # The engine stopped on EOS or a stop token: as in vLLM, it stays in token_ids but
+                # not in the text (unless include_stop_str_in_output).
+                new_token_ids = new_token_ids[:-1]
+            if new_token_ids:
+                self.completion.text += self.detokenizer.add_tokens(new_token_ids)
             if out.finish_reason is not None:
                 self.completion.text += self.detokenizer.flush()
         self.completion.finish_reason = out.finish_reason
