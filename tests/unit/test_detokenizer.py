@@ -94,3 +94,20 @@ def test_detokenize_false_leaves_the_text_empty(tokenizer) -> None:
     token_ids = tokenizer("Hello world").input_ids
     stream(state, token_ids, RequestOutputKind.CUMULATIVE)
     assert state.completion.text == "" and state.completion.token_ids == token_ids
+
+
+def test_prompt_logprobs_in_vllms_format_and_streamed_once(tokenizer) -> None:
+    from protocol.messages import PromptLogprobs
+
+    prompt = [5, 6, 7]
+    entry = PromptLogprobs(token_ids=[[6, 9], [7, 7]], logprobs=[[-2.0, -0.5], [-0.1, -0.1]], ranks=[3, 1])
+    state = RequestState("r", None, prompt, tokenizer, params=SamplingParams(output_kind=RequestOutputKind.DELTA))
+    state.update(EngineCoreOutput(request_id="r", new_token_ids=[8], prompt_logprobs=entry))
+    first = state.to_stream_output(RequestOutputKind.DELTA)
+    assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == len(prompt)
+    assert {t: (lp.logprob, lp.rank) for t, lp in first.prompt_logprobs[1].items()} == {6: (-2.0, 3), 9: (-0.5, 1)}
+    assert {t: (lp.logprob, lp.rank) for t, lp in first.prompt_logprobs[2].items()} == {7: (-0.1, 1)}
+    assert first.prompt_logprobs[1][6].decoded_token == tokenizer.decode([6])
+    state.update(EngineCoreOutput(request_id="r", new_token_ids=[9], finish_reason="length"))
+    assert state.to_stream_output(RequestOutputKind.DELTA).prompt_logprobs is None  # DELTA: only once
+    assert state.to_output().prompt_logprobs == first.prompt_logprobs  # the final output has them
