@@ -100,7 +100,8 @@ class InputProcessor:
                 sequences.append(spaced)
         bad = next((t for seq in sequences for t in seq if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"bad_words tokenize to id {bad}, outside the model's vocabulary [0, {self.info.vocab_size}).")
+            raise ValueError(f"bad_words tokenize to id {bad}, outside the model's vocabulary "
+                             f"[0, {self.info.vocab_size}).")
         return sequences
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
