@@ -38,7 +38,9 @@ class KVCacheManager:
         The last known token is never served from the cache: the step must compute it to get
         the logits of the next token. (So a fully cached prompt recomputes its last block.)
         """
-        if not self.enable_caching:
+        # prompt_logprobs need every prompt position's logits, which cached tokens never get: such
+        # a request computes its whole prompt (as vLLM does); its blocks are still cached for others.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         assert request.num_computed_tokens == 0, "only requests that hold no blocks look up the cache"
         max_num_blocks = (request.num_tokens - 1) // self.block_size

@@ -400,8 +400,9 @@ class Scheduler:
         finished: set[str] = set()
         scheduled = self.scheduled_requests.pop(scheduler_output.step_id, {})
         logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
-        for request_id, token_id, token_logprobs in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs or [None] * len(model_runner_output.req_ids)
+        for request_id, token_id, token_logprobs, token_prompt_logprobs in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs, prompt_logprobs
         ):
             request = scheduled.get(request_id)
             # Finished, aborted or preempted since the step was scheduled: drop its token (a
@@ -422,6 +423,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     new_logprobs=token_logprobs,
+                    prompt_logprobs=token_prompt_logprobs,
                 )
             )
         if finished:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any, Union
 
+import msgspec
+
 from protocol.messages import EngineCoreRequest, EngineInfo
 from protocol.sampling_params import SamplingParams
 
@@ -49,8 +51,12 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (this engine was made with skip_tokenizer_init=True); "
                              "use stop_token_ids.")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need the tokenizer (this engine was made with skip_tokenizer_init=True).")
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if params.bad_words:  # the engine sees token ids only; the user's params stay as given
+            params = msgspec.structs.replace(params, _bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -80,6 +86,23 @@ class InputProcessor:
         if not prompt:
             raise ValueError("the prompt is empty; give at least one character.")
         return prompt, list(self.tokenizer(prompt).input_ids)
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each word's token ids as it would appear at the start of the text and, when that
+        tokenizes differently, after a space (mid-text), as vLLM does."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            # Only when the space makes a new first token (not a separate space token in front).
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        bad = next((t for seq in sequences for t in seq if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"bad_words tokenize to id {bad}, outside the model's vocabulary "
+                             f"[0, {self.info.vocab_size}).")
+        return sequences
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         info = self.info

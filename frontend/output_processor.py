@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
-from frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from frontend.outputs import CompletionOutput, Logprob, PromptLogprobsList, RequestMetrics, RequestOutput
 import msgspec
 
-from protocol.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from protocol.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobs, TokenLogprobs
 from protocol.sampling_params import RequestOutputKind, SamplingParams
 
 # How many prompt tokens to decode along with the first output tokens, so that tokenizers that
@@ -19,10 +20,25 @@ _PREFIX_CONTEXT = 5
 class IncrementalDetokenizer:
     """Decode one token at a time without re-decoding everything, and without ever emitting a
     half multi-byte character: text is held back while it ends in U+FFFD (an incomplete byte
-    sequence), until the next token completes it."""
+    sequence), until the next token completes it.
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+    skip_special_tokens drops special tokens from the text. spaces_between_special_tokens=False
+    (meaningful only when special tokens are kept) removes the whitespace a decoder puts between
+    two adjacent added tokens ("[SEP] [SEP]" -> "[SEP][SEP]"), as vLLM's fast-tokenizer path does;
+    slow tokenizers get the flag itself too."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        # Whitespace between two added tokens' texts, for spaces_between_special_tokens=False.
+        self.space_between_added: re.Pattern | None = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            contents = sorted((t.content for t in tokenizer.added_tokens_decoder.values()), key=len, reverse=True)
+            if contents:
+                alternatives = "|".join(map(re.escape, contents))
+                self.space_between_added = re.compile(f"({alternatives})\\s+(?=(?:{alternatives}))")
         self.token_ids = list(prompt_token_ids[-_PREFIX_CONTEXT:])
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(self.token_ids)  # tokens before this are already in the text
@@ -46,8 +62,14 @@ class IncrementalDetokenizer:
         """The text of the context window without, and with, the tokens not yet read."""
         window = self.token_ids[self.prefix_offset :]
         read = self.read_offset - self.prefix_offset
-        decode = self.tokenizer.decode
-        return decode(window[:read], skip_special_tokens=True), decode(window, skip_special_tokens=True)
+        return self.decode(window[:read]), self.decode(window)
+
+    def decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+        if self.space_between_added is not None:
+            text = self.space_between_added.sub(r"\1", text)
+        return text
 
 
 class RequestState:
@@ -62,12 +84,20 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        # detokenize=False: token ids only, as in vLLM (no text, no decoded logprob tokens).
+        self.detokenizer = None
+        if tokenizer is not None and (params is None or params.detokenize):
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer, prompt_token_ids,
+                skip_special_tokens=params is None or params.skip_special_tokens,
+                spaces_between_special_tokens=params is None or params.spaces_between_special_tokens)
+        self.prompt_logprobs: PromptLogprobsList | None = None
         self.completion = CompletionOutput(index=0, text="", token_ids=[])
         self.num_cached_tokens = 0
         # What a streaming consumer has been handed already (for RequestOutputKind.DELTA).
         self.num_streamed_tokens = 0
         self.num_streamed_chars = 0
+        self.prompt_logprobs_streamed = False
 
     def update(self, out: EngineCoreOutput) -> None:
         now = time.time()
@@ -82,10 +112,17 @@ class RequestState:
         self.completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             self._add_logprobs(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = self._to_prompt_logprobs(out.prompt_logprobs)
         old_length = len(self.completion.text)
         if self.detokenizer is not None:
-            if out.new_token_ids:
-                self.completion.text += self.detokenizer.add_tokens(out.new_token_ids)
+            new_token_ids = out.new_token_ids
+            if out.finish_reason == "stop" and not self.include_stop_str:
+                # The engine stopped on EOS or a stop token: as in vLLM, it stays in token_ids but
+                # not in the text (unless include_stop_str_in_output).
+                new_token_ids = new_token_ids[:-1]
+            if new_token_ids:
+                self.completion.text += self.detokenizer.add_tokens(new_token_ids)
             if out.finish_reason is not None:
                 self.completion.text += self.detokenizer.flush()
         self.completion.finish_reason = out.finish_reason
@@ -118,6 +155,18 @@ class RequestState:
         completion.logprobs = (completion.logprobs or []) + [position]
         completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + entry.logprobs[0]
 
+    def _to_prompt_logprobs(self, entry: PromptLogprobs) -> PromptLogprobsList:
+        """vLLM's format: None for the first prompt token, then per token {token_id: Logprob}
+        holding the prompt token (at its rank) and the top-k alternatives (ranks 1..k)."""
+        decode = (lambda t: self.detokenizer.tokenizer.decode([t])) if self.detokenizer else (lambda t: None)
+        result: PromptLogprobsList = [None]
+        for token_ids, logprobs, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            position: dict[int, Logprob] = {}
+            for token_id, logprob, r in zip(token_ids, logprobs, [rank, *range(1, len(token_ids))]):
+                position.setdefault(token_id, Logprob(logprob, r, decode(token_id)))  # the prompt token first
+            result.append(position)
+        return result
+
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
@@ -125,6 +174,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[self.completion],
             finished=self.completion.finished(),
+            prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )
@@ -150,12 +200,18 @@ class RequestState:
                                     cumulative_logprob=completion.cumulative_logprob,
                                     logprobs=None if logprobs is None else list(logprobs),
                                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        prompt_logprobs = self.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:  # sent once, in the first output that has them
+            if self.prompt_logprobs_streamed:
+                prompt_logprobs = None
+            self.prompt_logprobs_streamed = self.prompt_logprobs is not None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[streamed],
             finished=completion.finished(),
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )

@@ -16,6 +16,8 @@ class Logprob:
 
 # Per generated token: token id -> Logprob, holding the sampled token and the top-k alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first (nothing before it), then as for SampleLogprobs.
+PromptLogprobsList = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -51,6 +53,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobsList | None = None  # when SamplingParams.prompt_logprobs is set
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None

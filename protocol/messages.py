@@ -68,6 +68,15 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     sampled_rank: int  # 1 = the likeliest token
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities of a prompt's tokens 1..P-1 (token 0 has no context), each under the
+    model's distribution given the tokens before it; row i is about prompt token i + 1."""
+
+    token_ids: list[list[int]]  # per row: the prompt token first, then the top-k, likeliest first
+    logprobs: list[list[float]]
+    ranks: list[int]  # the prompt token's rank (1 = the likeliest)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one request gained in one step."""
 
@@ -78,6 +87,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prompt tokens whose KV came from the prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
     new_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    # Once, with the first token, when the request asked for prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
@@ -204,6 +215,9 @@ class ModelRunnerOutput(msgspec.Struct, tag="output"):
     sampled_token_ids: list[int]
     # Parallel to req_ids when any request asked for logprobs (None for those that did not).
     logprobs: list[TokenLogprobs | None] | None = None
+    # Parallel to req_ids when a request whose prompt just finished asked for prompt_logprobs. The
+    # worker gathers them chunk by chunk and sends them all with the prompt's first sampled token.
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
 
 
 class WorkerReply(msgspec.Struct, tag="reply", omit_defaults=True):

@@ -50,8 +50,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Return the sampled token's logprob and rank plus this many top alternatives (0: just the
     # sampled token's), per generated token. Of the model's raw distribution, as vLLM V1 reports.
     logprobs: int | None = None
+    # Per prompt token (the first has none): its logprob and rank plus this many top alternatives,
+    # in RequestOutput.prompt_logprobs. Such a request skips the prefix cache (cached tokens have
+    # no logits), as in vLLM.
+    prompt_logprobs: int | None = None
+    # Words never to generate: the frontend tokenizes each (with and without a leading space) into
+    # _bad_words_token_ids; the worker bans a word's last token whenever the output ends with the
+    # tokens before it.
+    bad_words: list[str] | None = None
+    # detokenize=False: token ids only, no text (so no stop strings). The other two shape the text.
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Only the frontend reads it (the engine streams token ids either way); an int on the wire.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Set by the frontend from bad_words (the engine knows no strings); not for users.
+    _bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         try:  # also takes the plain ints 0 / 1 / 2
@@ -92,6 +106,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"logit_bias keys must be non-negative token ids, got {sorted(self.logit_bias)}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.prompt_logprobs}.")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (without text there is nothing to match); "
+                             "use stop_token_ids.")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
         ):
@@ -105,4 +128,5 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def processes_logits(self) -> bool:
         """Whether the worker must change this request's logits before sampling."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None)
+                or self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self._bad_words_token_ids))

@@ -79,6 +79,13 @@ class InputBatch:
         self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.logit_bias: list[dict[int, float]] = [{} for _ in range(max_num_reqs)]
         self.allowed_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.bad_words_token_ids: list[list[list[int]]] = [[] for _ in range(max_num_reqs)]
+        # For worker/prompt_logprobs.py: top-k per row (-1: not asked), the requests still
+        # prefilling that asked, and their scored chunks so far (ids, logprobs, ranks).
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.prompt_logprobs_reqs: set[str] = set()
+        self.prompt_logprobs_chunks: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [
+            [] for _ in range(max_num_reqs)]
 
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -104,12 +111,20 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self._set_sampling(row, new.sampling_params, new.eos_token_ids)
+        # A request resumed after a preemption with outputs already sent its prompt logprobs.
+        asks = new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
+        self.num_prompt_logprobs[row] = new.sampling_params.prompt_logprobs if asks else -1
+        self.prompt_logprobs_chunks[row] = []
+        if asks:
+            self.prompt_logprobs_reqs.add(new.req_id)
 
     def remove_request(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)  # ids never seen (aborted while waiting) are fine
         if row is not None:
             self.generators[row] = None
             self.pending[row] = -1
+            self.prompt_logprobs_chunks[row] = []
+            self.prompt_logprobs_reqs.discard(req_id)
             self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -137,6 +152,7 @@ class InputBatch:
         self.min_tokens_stop_ids[row] = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         self.logit_bias[row] = dict(params.logit_bias or {})
         self.allowed_token_ids[row] = list(params.allowed_token_ids or [])
+        self.bad_words_token_ids[row] = [list(word) for word in params._bad_words_token_ids or []]
         self.generators[row] = (
             None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         )

@@ -4,6 +4,8 @@
                       request has min_tokens output tokens
   logit_bias          added to the listed tokens' logits
   allowed_token_ids   every other token gets -inf
+  bad_words           a bad word's last token gets -inf whenever the output ends with the tokens
+                      before it (a one-token word: always); the words come tokenized from the frontend
   repetition_penalty  tokens in the prompt or output: logit / p if positive, logit * p if not
   frequency_penalty   minus penalty x the token's count in the output
   presence_penalty    minus penalty if the token occurs in the output at all
@@ -61,10 +63,27 @@ def apply_logits_processors(logits: torch.Tensor, batch: InputBatch, rows: np.nd
         restricted[positions] = True
         logits.masked_fill_(~keep & restricted[:, None], float("-inf"))
 
+    banned = [(int(i), tokens, float("-inf")) for i in which
+              if batch.bad_words_token_ids[rows[i]] and (tokens := _bad_word_endings(batch, int(rows[i])))]
+    if banned:
+        positions, tokens, values = scatter(banned)
+        logits[positions, tokens] = values
+
     penalized = which[batch.penalized[rows[which]]]
     if len(penalized):
         _apply_penalties(logits, batch, rows, penalized, vocab_size)
     return logits
+
+
+def _bad_word_endings(batch: InputBatch, row: int) -> list[int]:
+    """The last tokens of the row's bad words whose other tokens the output currently ends with."""
+    output = batch.token_ids[row, batch.num_prompt_tokens[row]:batch.num_tokens[row]]
+    endings = []
+    for word in batch.bad_words_token_ids[row]:  # a few words per request that asked; no tensor work
+        prefix_len = len(word) - 1
+        if prefix_len == 0 or (prefix_len <= len(output) and output[len(output) - prefix_len:].tolist() == word[:-1]):
+            endings.append(word[-1])
+    return endings
 
 
 def _token_counts(batch: InputBatch, rows: np.ndarray, start: np.ndarray, end: np.ndarray, vocab_size: int,

@@ -35,6 +35,7 @@ from worker.input_batch import InputBatch, StepInputs
 from worker.logits_processors import apply_logits_processors
 from worker.logprobs import sampled_logprobs
 from worker.models.loader import describe, load_model
+from worker.prompt_logprobs import gather_prompt_logprobs
 from worker.sampler import Sampler, SamplingMetadata, reseed_generators
 
 logger = logging.getLogger(__name__)
@@ -236,6 +237,8 @@ class ModelRunner:
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
         hidden_states = self._run_model(step)
         outputs = self.finish_pending()  # the previous step's tokens: needed by the sampling below
+        # Before the early return: partial prefill chunks score their prompt tokens too.
+        prompt_logprobs = gather_prompt_logprobs(self.model.compute_logits, hidden_states, step, self.input_batch)
         if len(step.sampling_rows) == 0:  # only partial prefill chunks this step
             return [*outputs, _NO_OUTPUT]
 
@@ -255,7 +258,8 @@ class ModelRunner:
                 batch.min_p[rows]))
         logprobs = sampled_logprobs(raw_logits, sampled_ids, batch.num_logprobs[rows])
         sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
-        if self.overlap_outputs and logprobs is None:  # (logprobs synced already: nothing to gain)
+        # (Logprobs were brought to the host already: holding the tokens back would gain nothing.)
+        if self.overlap_outputs and logprobs is None and not prompt_logprobs:
             host = self.sampled_host[: len(rows)]
             host.copy_(sampled_ids, non_blocking=True)
             copied = None
@@ -267,7 +271,10 @@ class ModelRunner:
             return outputs
         sampled = sampled_ids.tolist()  # the step's one device->host sync (two when logprobs are asked)
         batch.append_sampled(rows, sampled)
-        return [*outputs, ModelRunnerOutput(req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs)]
+        return [*outputs, ModelRunnerOutput(
+            req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+            # A prompt's logprobs are finished exactly in the step that samples its first token.
+            prompt_logprobs=[prompt_logprobs.get(r) for r in sampled_req_ids] if prompt_logprobs else None)]
 
     def has_pending(self) -> bool:
         return self.pending is not None

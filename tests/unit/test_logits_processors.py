@@ -69,3 +69,15 @@ def test_min_p_near_one_is_greedy(seed: int) -> None:
     sampler = Sampler(torch.Generator().manual_seed(seed))
     tokens = sampler(logits, SamplingMetadata.from_params(params, [None] * 4, "cpu"))
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_bad_words_ban_a_last_token_only_after_its_prefix() -> None:
+    # Words (as the frontend tokenizes them): [5] always banned; [3, 4] bans 4 right after a 3;
+    # [2, 3, 7] bans 7 right after 2, 3. Only the output counts (the prompt ends in 2, 3 here).
+    params = SamplingParams()
+    params._bad_words_token_ids = [[5], [3, 4], [2, 3, 7]]
+    batch, rows = batch_with(([2, 3], [], params), ([1], [2, 3], params), ([1], [3, 3, 1], params),
+                             ([1], [3], SamplingParams()))
+    out = apply_logits_processors(torch.zeros(4, VOCAB), batch, rows)
+    banned = [set(np.flatnonzero(torch.isinf(row).numpy()).tolist()) for row in out]
+    assert banned == [{5}, {4, 5, 7}, {5}, set()]

@@ -36,6 +36,7 @@ class ToyRequest:
     num_computed_tokens: int = 0
     sent: bool = False  # the worker holds it
     pending_new_blocks: list[int] = field(default_factory=list)
+    prompt_logprobs: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +78,8 @@ class ToyScheduler:
             if not req.sent:
                 new_reqs.append(NewRequestData(
                     req_id=req.req_id, prompt_token_ids=req.prompt, output_token_ids=list(req.output),
-                    sampling_params=SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens),
+                    sampling_params=SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens,
+                                                   prompt_logprobs=req.prompt_logprobs),
                     block_ids=list(req.block_ids), num_computed_tokens=req.num_computed_tokens))
                 req.sent = True
             else:
@@ -294,3 +296,50 @@ def test_rope_parameters_both_config_layouts() -> None:
     # transformers 5: everything in rope_parameters
     new = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     assert rope_parameters(new) == {"rope_type": "default", "rope_theta": 1e6}
+
+
+@pytest.mark.parametrize("preempt_step", [2, 7])  # mid-prefill of r3's 35-token prompt (6 steps); mid-decode
+def test_prompt_logprobs_across_chunks_and_preemption(tiny_model_factory, preempt_step: int) -> None:
+    """Chunks of 6 on 7-token blocks: each chunk's last position scores the next chunk's first
+    token. Delivered once, with the first sampled token, even when a preemption makes the worker
+    forget the request (mid-prefill it starts over; mid-decode they were sent already)."""
+    model_dir = tiny_model_factory("llama")
+    runner = make_runner(model_dir, block_size=7)
+    prompts = make_prompts(runner.model.config.vocab_size, seed=4)
+    requests = [ToyRequest(f"r{i}", p, 4, prompt_logprobs=None if i == 2 else 2) for i, p in enumerate(prompts)]
+    scheduler = ToyScheduler(requests, block_size=7, chunk_size=6, preempt_at=("r3", preempt_step))
+    received: dict[str, list] = {}
+    preempted = False
+    while not scheduler.done():
+        scheduler_output = scheduler.schedule()
+        preempted |= scheduler_output.preempted_req_ids == ["r3"]
+        result = runner.execute_model(scheduler_output)
+        for req_id, entry in zip(result.req_ids, result.prompt_logprobs or [None] * len(result.req_ids)):
+            if entry is not None:
+                received.setdefault(req_id, []).append(entry)
+        scheduler.update(scheduler_output, result.req_ids, result.sampled_token_ids)
+    assert preempted
+    assert sorted(received) == ["r0", "r1", "r3"] and all(len(v) == 1 for v in received.values())
+    hf = hf_model_fp32(model_dir)
+    for req_id, (entry,) in received.items():
+        prompt = prompts[int(req_id[1:])]
+        assert len(entry.ranks) == len(prompt) - 1
+        if len(prompt) == 1:
+            continue
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        got = torch.tensor([row[0] for row in entry.logprobs])
+        assert torch.allclose(got, expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4)
+        assert [row[0] for row in entry.token_ids] == prompt[1:]
+        top = expected.topk(2)
+        assert [row[1:] for row in entry.token_ids] == top.indices.tolist()
+        ranks = [int((e > e[t]).sum()) + 1 for e, t in zip(expected, prompt[1:])]
+        assert entry.ranks == ranks
+
+
+def hf_model_fp32(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _HF_MODELS:
+        _HF_MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _HF_MODELS[model_dir]
