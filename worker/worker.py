@@ -35,11 +35,13 @@ class Worker:
         self.rank = rank
         world_size = config.tensor_parallel_size
         device = resolve_device(config.device, rank)
-        if device.type == "cpu" and world_size > 1:
+        if world_size > 1:
             import torch
 
-            # The ranks share the host's cores: one thread pool each the size of all would thrash.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # before NCCL makes its communicator on it
+            else:  # the ranks share the host's cores: a thread pool each the size of all would thrash
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         init_distributed(rank, world_size, dist_init_address, device)  # before the model: layers read it
         self.model_runner = ModelRunner(config, rank)
 
