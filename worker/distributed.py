@@ -42,11 +42,18 @@ def init_distributed(rank: int, world_size: int, init_address: str | None, devic
     logger.info("joined the %s group at %s as rank %d of %d", backend, init_address, rank, world_size)
 
 
-def destroy_distributed() -> None:
-    """Leave the group (clean shutdown only: with a dead peer, exiting is enough)."""
+def destroy_distributed(graphs_captured: bool = False) -> None:
+    """Leave the group (clean shutdown only: with a dead peer, exiting is enough).
+
+    Not after NCCL collectives were captured in CUDA graphs: ncclCommDestroy can then hang
+    (pytorch/pytorch#115388); the process exits right after and the driver frees the communicator.
+    """
     global _rank, _world_size
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if graphs_captured and dist.get_backend() == "nccl":
+            logger.info("leaving the NCCL group by exiting (its collectives live in CUDA graphs)")
+        else:
+            dist.destroy_process_group()
     _rank, _world_size = 0, 1
 
 

@@ -85,7 +85,8 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
             elif isinstance(message, Shutdown):
                 from worker.distributed import destroy_distributed
 
-                destroy_distributed()  # every rank got Shutdown; none is left inside a collective
+                # Every rank got Shutdown: none is left inside a collective.
+                destroy_distributed(graphs_captured=worker.model_runner.graphs is not None)
                 return 0
     except Exception:
         logger.exception("worker %d failed in %s", rank, method)
