@@ -1,22 +1,25 @@
 """The executor: starts one worker process per GPU and talks to them over ZMQ.
 
 Each worker gets its own PUSH socket for work (a SchedulerOutput is sent to every worker), and all
-workers answer on one shared PULL socket. Only rank 0 returns sampled tokens. While waiting for an
-answer the executor checks every second that its workers are still alive, so a dead worker becomes
-a WorkerDiedError within about a second instead of a hang.
+workers answer on one shared PULL socket. Only rank 0 returns sampled tokens (every rank samples
+the same ones: see worker/models/parallel_layers.py). With several workers (tensor parallelism)
+the executor also picks the loopback address at which they form their torch.distributed group.
+While waiting for an answer the executor checks every second that its workers are still alive,
+so a dead worker becomes a WorkerDiedError within about a second instead of a hang.
 """
 
 from __future__ import annotations
 
 import logging
 import subprocess
+import time
 from typing import Any
 
 import msgspec
 import zmq
 
 from protocol.config import EngineConfig
-from protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
+from protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
 from protocol.serial import encode, worker_output_decoder
 
@@ -44,11 +47,13 @@ class Executor:
             self.work_sockets.append(sock)
 
         config_json = msgspec.json.encode(config).decode()
+        dist_args = ["--dist-init-address", free_loopback_tcp_address()] if self.world_size > 1 else []
         self.procs: list[subprocess.Popen] = [
             spawn_child(
                 "worker.worker",
                 ["--config", config_json, "--rank", str(rank),
-                 "--work-address", self.work_addresses[rank], "--result-address", self.result_address],
+                 "--work-address", self.work_addresses[rank], "--result-address", self.result_address,
+                 *dist_args],
             )
             for rank in range(self.world_size)
         ]
@@ -98,8 +103,22 @@ class Executor:
             self.check_alive()
         message = worker_output_decoder.decode(self.result_socket.recv())
         if isinstance(message, WorkerReply) and message.error is not None:
+            self._blame_dead_sibling(message.rank)
             raise WorkerDiedError(f"worker {message.rank} failed in {message.method}:\n{message.error}")
         return message
+
+    def _blame_dead_sibling(self, reporter: int, grace_s: float = 1.0) -> None:
+        """With several workers, one that dies makes its siblings' next collective fail; name the
+        dead one (the cause) rather than the sibling that reported the broken collective."""
+        deadline = time.monotonic() + (grace_s if self.world_size > 1 else 0.0)
+        while True:
+            for rank, proc in enumerate(self.procs):
+                if rank != reporter and proc.poll() is not None:
+                    raise WorkerDiedError(f"worker {rank} (pid {proc.pid}) exited unexpectedly with code "
+                                          f"{proc.returncode}; worker {reporter} then lost it in a collective")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self.procs):
@@ -115,8 +134,11 @@ class Executor:
                     sock.send(payload, flags=zmq.NOBLOCK)
                 except zmq.Again:  # the worker never connected; stop_child ends it
                     pass
+        # After a death the siblings may be stuck in a collective that never completes (NCCL waits
+        # forever): give them a second to take the Shutdown, not the usual five.
+        timeout = 1.0 if any(proc.poll() is not None for proc in self.procs) else 5.0
         for proc in self.procs:
-            stop_child(proc)
+            stop_child(proc, timeout=timeout)
         self.ctx.destroy(linger=0)
         for address in [self.result_address, *self.work_addresses]:
             remove_ipc_file(address)

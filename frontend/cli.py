@@ -35,7 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights from config.json alone (for benchmarks)")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's random numbers")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="number of worker processes (GPUs)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many worker processes, one per GPU (gloo on CPU); "
+                        "must divide the attention heads")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache blocks of prompt prefixes already computed")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "v0"],

@@ -248,11 +248,13 @@ class EngineCoreClient(EngineCoreClientBase):
             self._check_alive()
             wait_ms = POLL_MS if deadline is None else min(POLL_MS, max(0, int((deadline - time.monotonic()) * 1000)))
             events = dict(poller.poll(wait_ms))
-            if self.monitor in events:
-                self._on_monitor_event(recv_monitor_message(self.monitor)["event"])
+            # Messages before connection events: a dying engine's last message says why it died,
+            # and its disconnect may be readable at the same moment.
             if self.socket in events:
                 self._on_message(engine_output_decoder.decode(self.socket.recv()))
                 return True
+            if self.monitor in events:
+                self._on_monitor_event(recv_monitor_message(self.monitor)["event"])
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
@@ -400,11 +402,12 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
             while True:
                 self._check_alive()  # notices a spawned engine's exit within POLL_MS
                 events = dict(await poller.poll(POLL_MS))
-                if self.monitor in events:
-                    self._on_monitor_event(parse_monitor_message(await self.monitor.recv_multipart())["event"])
-                # Everything that arrived, before polling again.
+                # Everything that arrived, before polling again; messages before connection events
+                # (a dying engine's last message says why it died).
                 while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self._on_message(engine_output_decoder.decode(await self.socket.recv()))
+                if self.monitor in events:
+                    self._on_monitor_event(parse_monitor_message(await self.monitor.recv_multipart())["event"])
         except EngineDeadError as e:
             self._fail_everything(e)
         except asyncio.CancelledError:

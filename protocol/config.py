@@ -95,9 +95,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if scheduling_policy == "v0" and long_prefill_token_threshold:
             raise ValueError("long_prefill_token_threshold caps prefill chunks, but scheduling_policy='v0' "
                              "schedules whole prompts; leave it at 0 or use 'fcfs' / 'priority'.")
-        if tensor_parallel_size != 1:  # the sharded model and its collectives are not written yet
-            raise ValueError(f"tensor_parallel_size must be 1: tensor parallelism is not implemented yet "
-                             f"(got {tensor_parallel_size}).")
+        _check_at_least("tensor_parallel_size", tensor_parallel_size, 1)
         if num_gpu_blocks is not None:
             _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -117,6 +115,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"max_model_len={max_model_len} exceeds the model's maximum length "
                 f"({derived_len}); use a value in [1, {derived_len}]."
             )
+        _check_tensor_parallel_size(tensor_parallel_size, hf_config, device)
         default_budget = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if _runs_on_cuda(device) else DEFAULT_MAX_NUM_BATCHED_TOKENS
         if scheduling_policy == "v0":
             # V0 prefills whole prompts, so one step must hold the longest one (vLLM V0's rule);
@@ -153,6 +152,28 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             enable_prefix_caching=enable_prefix_caching,
             async_scheduling=async_scheduling,
         )
+
+
+def _check_tensor_parallel_size(size: int, hf_config, device: str) -> None:
+    """The model must split evenly over `size` ranks (query heads, MLP width; KV heads split or,
+    when fewer than the ranks, are replicated), and on CUDA each rank needs its own device."""
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    intermediate = int(hf_config.intermediate_size)
+    allowed = [n for n in range(1, heads + 1)
+               if heads % n == 0 and intermediate % n == 0 and (kv_heads % n == 0 if n <= kv_heads else n % kv_heads == 0)]
+    if size not in allowed:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not split this model ({heads} attention heads, {kv_heads} KV "
+            f"heads, intermediate_size {intermediate}); use one of {', '.join(map(str, allowed))}."
+        )
+    if size > 1 and _runs_on_cuda(device):
+        import torch
+
+        visible = torch.cuda.device_count()
+        if size > visible:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, but {visible} are visible "
+                             f"(CUDA_VISIBLE_DEVICES); use a value in [1, {visible}].")
 
 
 def _runs_on_cuda(device: str) -> bool:

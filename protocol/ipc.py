@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,14 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def new_ipc_address(name: str) -> str:
     """A fresh ipc:// address in the temp dir (a Unix socket: local only)."""
     return f"ipc://{tempfile.gettempdir()}/minivllm-{name}-{uuid.uuid4().hex[:12]}"
+
+
+def free_loopback_tcp_address() -> str:
+    """tcp://127.0.0.1:PORT with a port free right now (the OS picks it). Another process could
+    take it before it is bound again; on loopback, within a second, that is rare."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def remove_ipc_file(address: str) -> None:

@@ -30,10 +30,22 @@ _PENDING_POLL_S = 20e-6
 class Worker:
     CALLABLE = ("determine_num_blocks", "initialize_cache")
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
-        from worker.model_runner import ModelRunner  # imports torch: after the sockets are up
+    def __init__(self, config: EngineConfig, rank: int, dist_init_address: str | None = None) -> None:
+        # These import torch: after the sockets are up.
+        from worker.distributed import init_distributed
+        from worker.model_runner import ModelRunner, resolve_device
 
         self.rank = rank
+        world_size = config.tensor_parallel_size
+        device = resolve_device(config.device, rank)
+        if world_size > 1:
+            import torch
+
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # before NCCL makes its communicator on it
+            else:  # the ranks share the host's cores: a thread pool each the size of all would thrash
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        init_distributed(rank, world_size, dist_init_address, device)  # before the model: layers read it
         self.model_runner = ModelRunner(config, rank)
 
     def determine_num_blocks(self) -> int:
@@ -48,7 +60,8 @@ class Worker:
         return getattr(self, method)(*args)
 
 
-def run_worker(config: EngineConfig, rank: int, work_address: str, result_address: str) -> int:
+def run_worker(config: EngineConfig, rank: int, work_address: str, result_address: str,
+               dist_init_address: str | None = None) -> int:
     ctx = zmq.Context()
     work_socket = ctx.socket(zmq.PULL)
     work_socket.connect(work_address)
@@ -74,7 +87,7 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
 
     method = "ready"
     try:
-        worker = Worker(config, rank)
+        worker = Worker(config, rank, dist_init_address)
         runner = worker.model_runner
         reply("ready", os.getpid())
         while True:
@@ -88,6 +101,10 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
                 method = message.method
                 reply(method, worker.call(method, message.args))
             elif isinstance(message, Shutdown):
+                from worker.distributed import destroy_distributed
+
+                # Every rank got Shutdown: none is left inside a collective.
+                destroy_distributed(graphs_captured=worker.model_runner.graphs is not None)
                 return 0
     except Exception:
         logger.exception("worker %d failed in %s", rank, method)
@@ -103,11 +120,18 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--work-address", required=True)
     parser.add_argument("--result-address", required=True)
+    parser.add_argument("--dist-init-address", default=None, help="torch.distributed rendezvous (TP > 1)")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [worker{args.rank}] %(name)s: %(message)s")
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    raise SystemExit(run_worker(config, args.rank, args.work_address, args.result_address))
+    code = run_worker(config, args.rank, args.work_address, args.result_address, args.dist_init_address)
+    if config.tensor_parallel_size > 1:
+        # Everything is flushed and the group is left; skip the interpreter's teardown, where
+        # torch.distributed's rendezvous store has been seen to stall the exit for seconds.
+        logging.shutdown()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

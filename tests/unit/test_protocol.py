@@ -124,7 +124,9 @@ def test_engine_config_reads_the_model(tiny_llama) -> None:
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(device="tpu"), "device must be one of"),
         (dict(load_format="pt"), "load_format must be one of"),
-        (dict(tensor_parallel_size=2), "tensor_parallel_size must be 1"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
+        (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not split this model \(4 attention heads, "
+                                       r"2 KV heads, intermediate_size 128\); use one of 1, 2, 4"),
         (dict(scheduling_policy="lifo"), "scheduling_policy must be one of fcfs, priority, v0"),
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be an integer >= 0"),
         (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be True or False"),

@@ -11,6 +11,12 @@ The model runs on flat packed tokens (no batch dimension, no padding): a step's 
 chunks and decodes are concatenated, and attention metadata says which rows belong to which
 sequence. q/k/v are one `qkv_proj` and gate/up one `gate_up_proj` (fewer, larger matmuls);
 the loader slices HF's separate checkpoint tensors into them.
+
+Tensor parallelism (worker/models/parallel_layers.py): qkv_proj and gate_up_proj are
+column-parallel, o_proj and down_proj row-parallel (one all-reduce per attention and per MLP),
+the embedding and LM head vocab-parallel. Each rank runs num_heads / tp query heads and
+num_kv_heads / tp KV heads; with fewer KV heads than ranks, each KV head is replicated on
+tp / num_kv_heads ranks (the ones whose query heads read it).
 """
 
 from __future__ import annotations
@@ -19,11 +25,20 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker import ops
 from worker.attention.metadata import AttentionBackend, AttentionMetadata
+from worker.distributed import get_tp_rank, get_tp_world_size
+from worker.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    divide,
+    vocab_parallel_logits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,32 +60,6 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, summed = ops.add_rms_norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, summed)
-
-
-class MergedLinear(nn.Linear):
-    """One Linear whose output rows are several checkpoint projections stacked, e.g. q|k|v.
-
-    `shard_sizes` maps each checkpoint projection ("q", "k", "v" / "gate", "up") to its output
-    size; `load_shard` copies a checkpoint tensor into its slice of the fused weight or bias.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_slices: dict[str, slice] = {}
-        start = 0
-        for shard_id, size in shard_sizes.items():
-            self.shard_slices[shard_id] = slice(start, start + size)
-            start += size
-
-    @torch.no_grad()
-    def load_shard(self, param_name: str, shard_id: str, loaded: torch.Tensor) -> None:
-        param: torch.Tensor = getattr(self, param_name)
-        target = param[self.shard_slices[shard_id]]
-        if target.shape != loaded.shape:
-            raise ValueError(
-                f"shard {shard_id!r} of {param_name}: expected {tuple(target.shape)}, got {tuple(loaded.shape)}"
-            )
-        target.copy_(loaded)
 
 
 # ---------------------------------------------------------------- rotary position embedding
@@ -148,9 +137,18 @@ class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // self.num_heads
+        tp_size, tp_rank = get_tp_world_size(), get_tp_rank()
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // total_heads
+        # This rank's heads (local counts from here on).
+        self.num_heads = divide(total_heads, tp_size, "num_attention_heads")
+        if total_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_kv_heads, tp_size, "num_key_value_heads")
+            kv_index = tp_rank
+        else:  # fewer KV heads than ranks: each is replicated on tp / kv ranks
+            replicas = divide(tp_size, total_kv_heads, "with fewer KV heads than ranks, the rank count")
+            self.num_kv_heads, kv_index = 1, tp_rank // replicas
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -158,10 +156,13 @@ class LlamaAttention(nn.Module):
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         # Qwen2 always has q/k/v bias (and no o_proj bias); its config has no switch for it.
         qkv_bias = attention_bias or hf_config.model_type == "qwen2"
-        self.qkv_proj = MergedLinear(
-            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=attention_bias)
+        full_q, full_kv = total_heads * self.head_dim, total_kv_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(hidden_size, {
+            "q": ShardSpec(self.q_size, tp_rank, full_q),
+            "k": ShardSpec(self.kv_size, kv_index, full_kv),
+            "v": ShardSpec(self.kv_size, kv_index, full_kv),
+        }, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(full_q, hidden_size, bias=attention_bias)
         # Qwen3: RMSNorm over each head's vector, before RoPE.
         self.use_qk_norm = hf_config.model_type == "qwen3"
         if self.use_qk_norm:
@@ -199,9 +200,11 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only silu")
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        self.intermediate_size = intermediate
-        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        tp_size, tp_rank = get_tp_world_size(), get_tp_rank()
+        self.intermediate_size = divide(intermediate, tp_size, "intermediate_size")  # local
+        shard = ShardSpec(self.intermediate_size, tp_rank, intermediate)
+        self.gate_up_proj = ColumnParallelLinear(hidden, {"gate": shard, "up": shard}, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -243,7 +246,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, attn_backend, max_position) for _ in range(hf_config.num_hidden_layers)
         )
@@ -283,13 +286,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, attn_backend, max_position)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
-            self.lm_head = None  # logits use embed_tokens.weight
+            self.lm_head = None  # logits use embed_tokens.weight (this rank's shard of it)
         else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.vocab_size = hf_config.vocab_size
 
         first_attn = self.model.layers[0].self_attn
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = first_attn.num_kv_heads
+        self.num_kv_heads = first_attn.num_kv_heads  # this rank's: what its KV cache holds
         self.head_dim = first_attn.head_dim
 
     def forward(
@@ -303,6 +307,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] (only the rows that sample) -> logits [n, vocab_size]."""
+        """hidden [n, hidden_size] (only the rows that sample) -> full logits [n, vocab_size] on
+        every rank (see vocab_parallel_logits for why every rank gets them)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
+        return vocab_parallel_logits(hidden_states, weight, self.vocab_size)

@@ -2,7 +2,9 @@
 
 load_format:
   auto / safetensors  stream every tensor of every *.safetensors file in the directory onto
-                      the model's parameters (slicing q/k/v and gate/up into the fused ones)
+                      the model's parameters (slicing q/k/v and gate/up into the fused ones);
+                      under tensor parallelism each rank reads only its shard's rows/columns
+                      from the file (safetensors `get_slice`)
   dummy               small uniform random weights, from config.json alone (benchmarks)
 """
 
@@ -18,7 +20,8 @@ from torch import nn
 
 from protocol.config import EngineConfig
 from worker.attention.metadata import AttentionBackend
-from worker.models.llama import LlamaForCausalLM, MergedLinear
+from worker.models.llama import LlamaForCausalLM
+from worker.models.parallel_layers import ColumnParallelLinear, Loadable, loaded_shape
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: str) -> None:
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
             full_name = f"{module_name}.{param_name}"
-            if isinstance(module, MergedLinear):
+            if isinstance(module, ColumnParallelLinear):
                 missing.update((full_name, shard) for shard in module.shard_slices)
             else:
                 missing.add((full_name, None))
@@ -97,8 +100,8 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: str) -> None:
                     continue
                 if name == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # some tied checkpoints store a copy anyway
-                tensor = f.get_tensor(name)
-                missing.discard(_load_one(model, params, name, tensor))
+                # A lazy handle: the layer indexes out its shard, and only that is read.
+                missing.discard(_load_one(model, params, name, f.get_slice(name)))
 
     if missing:
         names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
@@ -108,22 +111,27 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: str) -> None:
 
 
 def _load_one(
-    model: LlamaForCausalLM, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+    model: LlamaForCausalLM, params: dict[str, nn.Parameter], name: str, loaded: Loadable
 ) -> tuple[str, str | None]:
-    """Load checkpoint tensor `name`; return the (param, shard) key it filled."""
+    """Load checkpoint tensor `name` (a tensor or a safetensors slice); return the (param, shard)
+    key it filled. Sharded layers take their part through their `load_weight`."""
     module_path, _, param_name = name.rpartition(".")
     parent, _, proj = module_path.rpartition(".")
     if proj in model.packed_modules:
         fused_name, shard_id = model.packed_modules[proj]
-        fused: MergedLinear = model.get_submodule(f"{parent}.{fused_name}")
-        fused.load_shard(param_name, shard_id, tensor)
+        fused: ColumnParallelLinear = model.get_submodule(f"{parent}.{fused_name}")
+        fused.load_weight(param_name, loaded, shard_id)
         return f"{parent}.{fused_name}.{param_name}", shard_id
     if name not in params:
-        raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} has no matching parameter")
-    param = params[name]
-    if param.shape != tensor.shape:
-        raise ValueError(f"{name}: model expects {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}")
-    param.copy_(tensor)
+        raise ValueError(f"checkpoint tensor {name!r} {loaded_shape(loaded)} has no matching parameter")
+    module = model.get_submodule(module_path)
+    if hasattr(module, "load_weight"):
+        module.load_weight(param_name, loaded)
+        return name, None
+    param = params[name]  # replicated: every rank takes all of it
+    if tuple(param.shape) != loaded_shape(loaded):
+        raise ValueError(f"{name}: model expects {tuple(param.shape)}, checkpoint has {loaded_shape(loaded)}")
+    param.copy_(loaded[:])
     return name, None
 
 

@@ -1,0 +1,160 @@
+"""Megatron-style tensor-parallel layers. Each rank holds one shard of every big weight:
+
+  ColumnParallelLinear    output rows split: each rank computes its slice of y, no communication
+                          (q|k|v and gate|up, several checkpoint projections stacked in one matmul)
+  RowParallelLinear       input columns split: each rank computes a partial y from its slice of x,
+                          then one all-reduce sums them (o_proj, down_proj)
+  VocabParallelEmbedding  vocab rows split: a rank looks up the ids it owns, zeros the rest, and
+                          an all-reduce sums the ranks' rows (exact: all but one addend are zero)
+  vocab_parallel_logits   the LM head (its own weight, or the tied embedding's shard, which has the
+                          same layout): each rank scores its vocab slice, an all-gather joins them
+
+So an attention or MLP block is column -> local work -> row, one all-reduce per block. At world
+size 1 every layer is the plain one (the collectives are no-ops).
+
+Each layer's `load_weight` takes the *full* checkpoint tensor, or a safetensors slice of it (the
+`get_slice` handle), and reads only this rank's rows or columns, so a rank never materializes
+the whole tensor. A vocab not divisible by the world size is padded: the last rank's padding rows
+stay zero and their logits are cut off after the gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
+
+# A torch tensor or a safetensors PySafeSlice: both index like a tensor; the slice reads only what
+# is indexed from the file.
+Loadable = Any
+
+
+def loaded_shape(loaded: Loadable) -> tuple[int, ...]:
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+@torch.no_grad()
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    if target.shape != source.shape:
+        raise ValueError(f"{what}: expected {tuple(target.shape)}, got {tuple(source.shape)}")
+    target.copy_(source)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
+class ShardSpec(NamedTuple):
+    """One checkpoint projection inside a column-parallel layer: this rank takes rows
+    [index * local_size, (index + 1) * local_size) of a checkpoint tensor of full_size rows.
+    Replicated KV heads are several ranks with the same index."""
+
+    local_size: int
+    index: int
+    full_size: int
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b, W's output rows split across ranks; y stays split (no communication)."""
+
+    def __init__(self, in_features: int, shards: dict[str, ShardSpec], bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.shards = shards
+        self.shard_slices: dict[str, slice] = {}
+        start = 0
+        for shard_id, spec in shards.items():
+            self.shard_slices[shard_id] = slice(start, start + spec.local_size)
+            start += spec.local_size
+        self.out_features = start  # local
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, param_name: str, loaded: Loadable, shard_id: str) -> None:
+        spec = self.shards[shard_id]
+        shape = loaded_shape(loaded)
+        if shape[0] != spec.full_size:
+            raise ValueError(f"shard {shard_id!r} of {param_name}: expected {spec.full_size} rows, got {shape}")
+        start = spec.index * spec.local_size
+        target = getattr(self, param_name)[self.shard_slices[shard_id]]
+        _copy_checked(target, loaded[start : start + spec.local_size], f"shard {shard_id!r} of {param_name}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks: x arrives split (from a column
+    layer), each rank's partial product is summed by one all-reduce. Rank 0 alone adds the bias,
+    inside its matmul, so the sum counts it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.world_size, self.rank = get_tp_world_size(), get_tp_rank()
+        self.in_features = divide(in_features, self.world_size, "a row-parallel layer's input size")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight, self.bias if self.rank == 0 else None))
+
+    def load_weight(self, param_name: str, loaded: Loadable) -> None:
+        if param_name == "bias":  # replicated
+            _copy_checked(self.bias, loaded[:], "bias")
+            return
+        shape = loaded_shape(loaded)
+        if shape != (self.weight.shape[0], self.in_features * self.world_size):
+            raise ValueError(f"weight: expected {(self.weight.shape[0], self.in_features * self.world_size)}, "
+                             f"got {shape}")
+        start = self.rank * self.in_features
+        _copy_checked(self.weight, loaded[:, start : start + self.in_features], "weight")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks in contiguous blocks of ceil(vocab / world) rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.world_size, self.rank = get_tp_world_size(), get_tp_rank()
+        self.rows_per_rank = -(-vocab_size // self.world_size)
+        self.vocab_start = self.rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)  # real rows end here
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size))  # padding rows stay 0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
+        embeddings = F.embedding(local_ids, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(embeddings)
+
+    def load_weight(self, param_name: str, loaded: Loadable) -> None:
+        shape = loaded_shape(loaded)
+        if shape != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"{param_name}: expected {(self.vocab_size, self.weight.shape[1])}, got {shape}")
+        num_real = self.vocab_end - self.vocab_start
+        _copy_checked(self.weight[:num_real], loaded[self.vocab_start : self.vocab_end], param_name)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The untied output projection: the same row split as the embedding (so a tied model can use
+    the embedding's shard in its place). Logits come from `vocab_parallel_logits`."""
+
+
+def vocab_parallel_logits(hidden_states: torch.Tensor, weight_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [n, hidden] -> full logits [n, vocab_size] on every rank.
+
+    Every rank gets the full logits (an all-gather rather than a gather to rank 0 plus a broadcast
+    of the sampled ids): each rank then samples the same tokens from the same bits with the same
+    seeds, keeps its own copy of them for the next step, and no extra collective is needed.
+    """
+    logits = all_gather_last_dim(F.linear(hidden_states, weight_shard))
+    return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size].contiguous()
