@@ -39,10 +39,11 @@ def test_cuda_graphs_equal_eager_bf16(tiny_model_factory) -> None:
 
 
 def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
-    """bf16 rounds differently in any two implementations, so the check is on logprobs: the first
-    step's logprobs are within BF16_LOGPROB_TOLERANCE of HF's over the whole vocabulary, and where
-    our greedy token differs from HF's, HF itself rates the two within that tolerance (a near-tie).
-    Over the first 4 tokens of 6 prompts, at least 75% agree."""
+    """bf16 rounds differently in any two implementations (and in one, for different batch shapes),
+    so the check is on logprobs: the first step's logprobs are within BF16_LOGPROB_TOLERANCE of HF's
+    over the whole vocabulary, and where our greedy tokens first part from HF's, HF itself rates
+    the two choices within that tolerance given the same prefix (a near-tie). A random tiny model
+    has many near-ties, so only half of the first 4 tokens of 6 prompts must agree outright."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model_dir = tiny_model_factory("llama")
@@ -55,12 +56,16 @@ def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
     compute_logits = runner.model.compute_logits
     runner.model.compute_logits = lambda h: captured.append(compute_logits(h)) or captured[-1]
     ours_tokens = generate(model_dir, device="cuda")
+
+    def hf_logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0, -1].float(), -1)
+
     agree = 0
     for i, prompt in enumerate(PROMPTS[:6]):
         ids = prompt["prompt_token_ids"]
         with torch.no_grad():
             hf_tokens = hf.generate(torch.tensor([ids], device="cuda"), generation_config=hf_config)[0, len(ids):]
-            hf_logprobs = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0, -1].float(), -1)
         runner.execute_model(SchedulerOutput(
             scheduled_new_reqs=[NewRequestData(req_id=str(i), prompt_token_ids=ids, output_token_ids=[],
                                                sampling_params=GREEDY, block_ids=list(range(-(-len(ids) // 16))),
@@ -68,8 +73,11 @@ def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
             scheduled_cached_reqs=[], num_scheduled_tokens={str(i): len(ids)},
             total_num_scheduled_tokens=len(ids), finished_req_ids=[str(i - 1)] if i else []))
         ours_logprobs = torch.log_softmax(captured[-1][0].float(), -1)
-        assert (ours_logprobs - hf_logprobs).abs().max() < BF16_LOGPROB_TOLERANCE, f"prompt {i}"
-        ours_first, hf_first = ours_tokens[i][0], hf_tokens[0].item()
-        assert hf_logprobs[hf_first] - hf_logprobs[ours_first] < BF16_LOGPROB_TOLERANCE, f"prompt {i}"
-        agree += sum(a == b for a, b in zip(ours_tokens[i][:4], hf_tokens.tolist()))
-    assert agree >= 0.75 * 6 * 4
+        assert (ours_logprobs - hf_logprobs(ids)).abs().max() < BF16_LOGPROB_TOLERANCE, f"prompt {i}"
+        ours, theirs = ours_tokens[i][:4], hf_tokens.tolist()
+        same = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+        agree += same
+        if same < len(ours):  # the first parting must be a near-tie under HF, given the shared prefix
+            lp = hf_logprobs(ids + ours[:same])
+            assert lp[theirs[same]] - lp[ours[same]] < BF16_LOGPROB_TOLERANCE, f"prompt {i}, token {same}"
+    assert agree >= 0.5 * 6 * 4
