@@ -5,6 +5,9 @@
                                                          executor.execute_model()
                                                          update_from_output()
 
+With async scheduling (the default) the busy loop keeps the workers a step ahead: it submits step
+N+1 and only then waits for step N's tokens (EngineCore.step_async).
+
 The busy loop never touches a socket: the input thread owns the ROUTER socket (ZMQ sockets are
 single-threaded) and decodes what arrives; the output thread encodes replies and hands the bytes to
 the input thread through an in-process socket. So (de)serialization overlaps the model step.

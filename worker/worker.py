@@ -1,7 +1,8 @@
 """The worker process: one per GPU. It owns the device, the model and the KV cache.
 
 Loop: receive a message from the EngineCore, act, answer. A SchedulerOutput runs one model step
-(only rank 0 answers with the sampled tokens); a WorkerCall runs one of the few methods listed in
+(only rank 0 answers with the sampled tokens; on CUDA a step's answer goes out once the next step
+is launched, or as soon as its tokens are ready when no next step is queued: see ModelRunner); a WorkerCall runs one of the few methods listed in
 Worker.CALLABLE; Shutdown ends the loop. Any failure is reported with its traceback, then the
 process exits, so the EngineCore can turn it into a clear error.
 """
