@@ -151,9 +151,8 @@ def reseed_generators(generators: Sequence[torch.Generator | None], request_seed
     """Seed each seeded row's generator from (its request's seed, its token count) before it draws:
     a token then depends on its position alone, not on how many draws came before it — so a
     request preempted and resumed, or scheduled differently, samples the same tokens."""
-    for generator, seed, count in zip(generators, request_seeds, num_tokens):
-        if generator is not None:
-            generator.manual_seed((int(seed) * 1_000_003 + int(count)) % (2**63 - 1))
+    for i in np.flatnonzero(request_seeds >= 0):  # seeded rows only: the others share one generator
+        generators[i].manual_seed((int(request_seeds[i]) * 1_000_003 + int(num_tokens[i])) % (2**63 - 1))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
