@@ -41,6 +41,8 @@ from worker.sampler import Sampler, SamplingMetadata, reseed_generators
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KVCACHE_ENV = "MINIVLLM_CPU_KVCACHE_GB"
+DEFAULT_CPU_KVCACHE_GB = 1.0
 OVERLAP_ENV = "MINIVLLM_OVERLAP_OUTPUTS"
 _NO_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
@@ -54,8 +56,6 @@ class PendingStep:
     sampled: torch.Tensor  # [n] on the device; the next step reads input ids from it
     host: torch.Tensor  # [n] the copy on the host, complete once `copied` has happened
     copied: torch.cuda.Event | None
-CPU_KVCACHE_ENV = "MINIVLLM_CPU_KVCACHE_GB"
-DEFAULT_CPU_KVCACHE_GB = 1.0
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
