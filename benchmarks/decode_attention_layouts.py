@@ -16,8 +16,8 @@ import itertools
 import torch
 from triton.testing import do_bench
 
-from worker.attention.metadata import AttentionMetadata
-from worker.attention.triton_attention import paged_attention
+from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.triton_attention import paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
-import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -24,11 +22,9 @@ import uuid
 import numpy as np
 import zmq
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
-from protocol.serial import encode, worker_input_decoder  # noqa: E402
+from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.protocol.serial import encode, worker_input_decoder
 
 logger = logging.getLogger("fanout")
 

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 
-from protocol.config import EngineConfig
-from protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
-from protocol.sampling_params import SamplingParams
-from worker.model_runner import ModelRunner
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.worker.model_runner import ModelRunner
 
 
 def cuda_time_ms(fn, iters: int = 20) -> float:
@@ -110,7 +110,7 @@ def main() -> None:
     print(f"  compute_logits: {cuda_time_ms(lambda: model.compute_logits(hidden)):.2f} ms")
     logits = model.compute_logits(hidden)
     rows = np.arange(args.batch)
-    from worker.sampler import SamplingMetadata
+    from minivllm.worker.sampler import SamplingMetadata
 
     b = runner.input_batch
     sm = SamplingMetadata.from_arrays(b.temperature[rows], b.top_k[rows], b.top_p[rows], [None] * args.batch, "cuda")
@@ -120,7 +120,7 @@ def main() -> None:
                                                [None] * args.batch, seeds, b.min_p[rows])
     print(f"  fused sampler (temperature {args.temperature}): {cuda_time_ms(fused):.2f} ms")
     attn = model.model.layers[0].self_attn
-    from worker.attention.triton_attention import paged_attention
+    from minivllm.worker.attention.triton_attention import paged_attention
 
     q = torch.randn(args.batch, attn.num_heads, attn.head_dim, device="cuda", dtype=torch.bfloat16)
     ms = cuda_time_ms(lambda: paged_attention(q, runner.kv_caches[0], metadata, attn.scale))
@@ -131,7 +131,7 @@ def main() -> None:
     # A full-budget prefill step (fresh requests, whole chunks).
     n = args.max_num_batched_tokens
     metadata_args = dict(query_start_loc=np.array([0, n]), seq_lens=np.array([n]), max_query_len=n, max_seq_len=n)
-    from worker.input_batch import StepInputs
+    from minivllm.worker.input_batch import StepInputs
 
     pre = StepInputs(req_ids=["p"], input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n),
                      slot_mapping=np.arange(n), block_table=np.arange(-(-n // block_size), dtype=np.int32)[None],

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from tests.gpu.test_triton_attention import make_batch
-from worker.attention.triton_attention import paged_attention
+from minivllm.worker.attention.triton_attention import paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
@@ -19,7 +19,7 @@ def main() -> None:
     for name, cases in (("prefill 4x512", [(0, 512)] * 4), ("prefill 1x2048", [(0, 2048)]),
                         ("decode 256x700", [(700, 1)] * 256)):
         q, k, v, cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16, seed=0)
-        from worker.attention.triton_attention import store_kv
+        from minivllm.worker.attention.triton_attention import store_kv
         store_kv(k, v, cache, md.slot_mapping)
         decode = md.max_query_len == 1
         ms = []

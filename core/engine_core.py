@@ -30,11 +30,11 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from core.executor import Executor, WorkerDiedError
-from core.scheduler import Scheduler
-from protocol.config import EngineConfig
-from protocol.ipc import remove_ipc_file
-from protocol.messages import (
+from minivllm.core.executor import Executor, WorkerDiedError
+from minivllm.core.scheduler import Scheduler
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.ipc import remove_ipc_file
+from minivllm.protocol.messages import (
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -48,7 +48,7 @@ from protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
-from protocol.serial import encode, engine_input_decoder
+from minivllm.protocol.serial import encode, engine_input_decoder
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from protocol.config import EngineConfig
-from protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
-from protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
-from protocol.serial import encode, worker_output_decoder
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
+from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
+from minivllm.protocol.serial import encode, worker_output_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Executor:
         dist_args = ["--dist-init-address", free_loopback_tcp_address()] if self.world_size > 1 else []
         self.procs: list[subprocess.Popen] = [
             spawn_child(
-                "worker.worker",
+                "minivllm.worker.worker",
                 ["--config", config_json, "--rank", str(rank),
                  "--work-address", self.work_addresses[rank], "--result-address", self.result_address,
                  *dist_args],

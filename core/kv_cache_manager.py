@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_request_blocks
-from core.request import Request
+from minivllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_request_blocks
+from minivllm.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

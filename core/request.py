@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
-from protocol.sampling_params import SamplingParams
+from minivllm.protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
+from minivllm.protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

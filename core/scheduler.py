@@ -25,10 +25,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from core.kv_cache_manager import KVCacheManager, cdiv
-from core.request import Request, RequestStatus
-from protocol.config import EngineConfig
-from protocol.messages import (
+from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.request import Request, RequestStatus
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreRequest,

@@ -18,14 +18,14 @@ import weakref
 from collections.abc import AsyncGenerator, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from frontend.core_client import AsyncEngineCoreClient, EngineDeadError
-from frontend.input_processor import InputProcessor, PromptType
-from frontend.model_download import resolve_model
-from frontend.output_processor import RequestState, fan_out, gather_stream_output
-from frontend.outputs import RequestOutput
-from protocol.config import EngineConfig
-from protocol.messages import EngineStats
-from protocol.sampling_params import SamplingParams
+from minivllm.frontend.core_client import AsyncEngineCoreClient, EngineDeadError
+from minivllm.frontend.input_processor import InputProcessor, PromptType
+from minivllm.frontend.model_download import resolve_model
+from minivllm.frontend.output_processor import RequestState, fan_out, gather_stream_output
+from minivllm.frontend.outputs import RequestOutput
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import EngineStats
+from minivllm.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

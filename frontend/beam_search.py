@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from frontend.outputs import Logprob
-from protocol.sampling_params import MAX_LOGPROBS
+from minivllm.frontend.outputs import Logprob
+from minivllm.protocol.sampling_params import MAX_LOGPROBS
 
 # A beam holds at most this many alternatives per step: the engine returns up to MAX_LOGPROBS.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2

@@ -92,9 +92,9 @@ def make_workload(num_prompts: int, input_len: str, output_len: str, vocab_size:
 
 
 def run_minivllm(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
-    from frontend.cli import engine_kwargs
-    from frontend.llm import LLM
-    from protocol.sampling_params import SamplingParams
+    from minivllm.frontend.cli import engine_kwargs
+    from minivllm.frontend.llm import LLM
+    from minivllm.protocol.sampling_params import SamplingParams
 
     with LLM(args.model, skip_tokenizer_init=True, **engine_kwargs(args)) as llm:
         params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
@@ -231,9 +231,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
-    from frontend.cli import engine_kwargs
-    from frontend.llm import LLM
-    from protocol.sampling_params import SamplingParams
+    from minivllm.frontend.cli import engine_kwargs
+    from minivllm.frontend.llm import LLM
+    from minivllm.protocol.sampling_params import SamplingParams
 
     input_len = parse_range(args.input_len)[0]
     output_len = parse_range(args.output_len)[0]

@@ -62,9 +62,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from frontend.chat import has_chat_template
-    from frontend.llm import LLM
-    from protocol.sampling_params import SamplingParams
+    from minivllm.frontend.chat import has_chat_template
+    from minivllm.frontend.llm import LLM
+    from minivllm.protocol.sampling_params import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from frontend.model_download import convert_gguf_file, download_default_model
+    from minivllm.frontend.model_download import convert_gguf_file, download_default_model
 
     if args.gguf is None:
         model_dir = download_default_model(force=args.force)
@@ -100,9 +100,9 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from core.engine_core import run_engine_core
-    from frontend.model_download import resolve_model
-    from protocol.config import EngineConfig
+    from minivllm.core.engine_core import run_engine_core
+    from minivllm.frontend.model_download import resolve_model
+    from minivllm.protocol.config import EngineConfig
 
     config = EngineConfig.create(resolve_model(args.model), **engine_kwargs(args))
     run_engine_core(config, args.address)
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(eng)
     eng.set_defaults(func=cmd_engine)
 
-    from frontend.bench import add_bench_parser
+    from minivllm.frontend.bench import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
     return parser
@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "engine":
             logging.getLogger().setLevel(logging.INFO)
         # Fetching / converting a model takes a while the first time: say what is happening.
-        for name in ("frontend.model_download", "frontend.model_cache"):
+        for name in ("minivllm.frontend.model_download", "minivllm.frontend.model_cache"):
             logging.getLogger(name).setLevel(logging.INFO)
-    from frontend.model_cache import ModelCacheError
+    from minivllm.frontend.model_cache import ModelCacheError
 
     try:
         sys.exit(args.func(args))

@@ -34,9 +34,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from protocol.config import EngineConfig
-from protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
-from protocol.messages import (
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
+from minivllm.protocol.messages import (
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -46,7 +46,7 @@ from protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
-from protocol.serial import encode, engine_output_decoder
+from minivllm.protocol.serial import encode, engine_output_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class EngineCoreClient(EngineCoreClientBase):
     def spawn(cls, config: EngineConfig) -> "EngineCoreClient":
         """Start an EngineCore process for `config` and wait until it serves."""
         address = new_ipc_address("engine")
-        proc = spawn_child("core.engine_core", ["--config", msgspec.json.encode(config).decode(), "--address", address])
+        proc = spawn_child("minivllm.core.engine_core", ["--config", msgspec.json.encode(config).decode(), "--address", address])
         client = cls(address, proc)
         try:  # loading a model takes as long as it takes; a crash is noticed through proc.poll()
             client.engine_info = client.call_utility("get_engine_info", type=EngineInfo)

@@ -11,8 +11,8 @@ from typing import Any, Union
 
 import msgspec
 
-from protocol.messages import EngineCoreRequest, EngineInfo
-from protocol.sampling_params import SamplingParams
+from minivllm.protocol.messages import EngineCoreRequest, EngineInfo
+from minivllm.protocol.sampling_params import SamplingParams
 
 # vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}; a dict may
 # also carry "cache_salt": only requests with the same salt share prefix-cache blocks.

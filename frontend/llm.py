@@ -11,16 +11,16 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from frontend.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
-from frontend.chat import Conversation, as_conversations, render_chat_prompt
-from frontend.core_client import EngineCoreClient
-from frontend.input_processor import InputProcessor, PromptType
-from frontend.model_download import resolve_model
-from frontend.output_processor import OutputProcessor, fan_out
-from frontend.outputs import Logprob, RequestOutput
-from protocol.config import EngineConfig
-from protocol.messages import EngineStats
-from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from minivllm.frontend.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from minivllm.frontend.chat import Conversation, as_conversations, render_chat_prompt
+from minivllm.frontend.core_client import EngineCoreClient
+from minivllm.frontend.input_processor import InputProcessor, PromptType
+from minivllm.frontend.model_download import resolve_model
+from minivllm.frontend.output_processor import OutputProcessor, fan_out
+from minivllm.frontend.outputs import Logprob, RequestOutput
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import EngineStats
+from minivllm.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 

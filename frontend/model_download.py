@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from frontend.model_cache import ModelCacheError, build_cached, cache_root, sha256_file
+from minivllm.frontend.model_cache import ModelCacheError, build_cached, cache_root, sha256_file
 
 logger = logging.getLogger(__name__)
 

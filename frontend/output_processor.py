@@ -6,11 +6,11 @@ import re
 import time
 from typing import Any
 
-from frontend.outputs import CompletionOutput, Logprob, PromptLogprobsList, RequestMetrics, RequestOutput
+from minivllm.frontend.outputs import CompletionOutput, Logprob, PromptLogprobsList, RequestMetrics, RequestOutput
 import msgspec
 
-from protocol.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobs, TokenLogprobs
-from protocol.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobs, TokenLogprobs
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 # How many prompt tokens to decode along with the first output tokens, so that tokenizers that
 # drop a leading space on the first token of a string (SentencePiece) get the spacing right.

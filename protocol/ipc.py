@@ -1,8 +1,9 @@
 """Plumbing shared by every process: socket addresses and starting child processes.
 
-Children are started with subprocess (a fresh interpreter running `python -m <module>`), never
-multiprocessing: its arguments are a JSON config on the command line, so nothing is pickled, and
-the kernel kills each child when its parent dies (PR_SET_PDEATHSIG), so no orphan survives.
+Children are started with subprocess (a fresh interpreter running one `minivllm.<module>` as
+__main__), never multiprocessing: its arguments are a JSON config on the command line, so nothing
+is pickled, and the kernel kills each child when its parent dies (PR_SET_PDEATHSIG), so no orphan
+survives.
 """
 
 from __future__ import annotations
@@ -16,7 +17,24 @@ import sys
 import tempfile
 import uuid
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The `minivllm` package's directory: site-packages/minivllm when installed, the checkout's root
+# in an editable install or when run through bin/minivllm.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A child imports `minivllm` from PACKAGE_DIR, the very copy its parent runs, then runs the module
+# as `python -m` would. `python -m minivllm...` alone would not do: a checkout run through
+# bin/minivllm has no directory named `minivllm` on any path.
+_CHILD_MAIN = """\
+import importlib.util, runpy, sys
+package_dir, module = sys.argv[1], sys.argv[2]
+spec = importlib.util.spec_from_file_location(
+    "minivllm", f"{package_dir}/__init__.py", submodule_search_locations=[package_dir])
+package = importlib.util.module_from_spec(spec)
+sys.modules["minivllm"] = package
+spec.loader.exec_module(package)
+sys.argv = [module, *sys.argv[3:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
 
 
 def new_ipc_address(name: str) -> str:
@@ -47,13 +65,10 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def spawn_child(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Run `python -m module *args` as a child that dies with this process."""
-    child_env = dict(os.environ if env is None else env)
-    # The child must import this checkout even when it is not pip-installed.
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, child_env.get("PYTHONPATH")) if p)
+    """Run `python -m module *args` (module: `minivllm.<...>`) as a child that dies with this process."""
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        env=child_env,
+        [sys.executable, "-c", _CHILD_MAIN, PACKAGE_DIR, module, *args],
+        env=dict(os.environ if env is None else env),
         preexec_fn=_die_with_parent,
         stdin=subprocess.DEVNULL,
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.sampling_params import SamplingParams
+from minivllm.protocol.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- frontend -> EngineCore
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import EngineCoreInput, EngineCoreOutputs, EngineToWorker, WorkerToEngine
+from minivllm.protocol.messages import EngineCoreInput, EngineCoreOutputs, EngineToWorker, WorkerToEngine
 
 encoder = msgspec.msgpack.Encoder()
 

@@ -52,7 +52,7 @@ def tiny_chat_llama(tiny_model_factory: Callable[..., str]) -> str:
 def smollm2_dir() -> str:
     """The default model (SmolLM2-135M-Instruct) converted into the model cache: the first run on
     a machine fetches and converts it (~40 s), later runs reuse it. MINIVLLM_CACHE applies."""
-    from frontend.model_download import download_default_model
+    from minivllm.frontend.model_download import download_default_model
 
     return str(download_default_model())
 

@@ -25,8 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from worker.attention.metadata import AttentionMetadata
-from worker.input_batch import StepInputs
+from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
 

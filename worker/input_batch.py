@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.messages import NewRequestData
-from protocol.sampling_params import SamplingParams
+from minivllm.protocol.messages import NewRequestData
+from minivllm.protocol.sampling_params import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.input_batch import InputBatch
+from minivllm.worker.input_batch import InputBatch
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray) -> torch.Tensor:

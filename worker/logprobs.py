@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from protocol.messages import TokenLogprobs
+from minivllm.protocol.messages import TokenLogprobs
 
 
 def sampled_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor,

@@ -27,16 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.config import EngineConfig
-from protocol.messages import ModelRunnerOutput, SchedulerOutput
-from worker.attention.metadata import AttentionBackend, AttentionMetadata, kv_cache_shape
-from worker.cuda_graphs import StepBuffers, StepGraphs
-from worker.input_batch import InputBatch, StepInputs
-from worker.logits_processors import apply_logits_processors
-from worker.logprobs import sampled_logprobs
-from worker.models.loader import describe, load_model
-from worker.prompt_logprobs import gather_prompt_logprobs
-from worker.sampler import Sampler, SamplingMetadata, reseed_generators
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata, kv_cache_shape
+from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs
+from minivllm.worker.input_batch import InputBatch, StepInputs
+from minivllm.worker.logits_processors import apply_logits_processors
+from minivllm.worker.logprobs import sampled_logprobs
+from minivllm.worker.models.loader import describe, load_model
+from minivllm.worker.prompt_logprobs import gather_prompt_logprobs
+from minivllm.worker.sampler import Sampler, SamplingMetadata, reseed_generators
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,10 @@ class PendingStep:
 def default_backend(device: torch.device) -> AttentionBackend:
     """Triton kernels on CUDA; the pure-torch reference everywhere else."""
     if device.type == "cuda":
-        from worker.attention.triton_attention import TritonAttentionBackend
+        from minivllm.worker.attention.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from worker.attention.reference import ReferenceAttentionBackend
+    from minivllm.worker.attention.reference import ReferenceAttentionBackend
 
     return ReferenceAttentionBackend()
 
@@ -98,7 +98,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.seed_rng = np.random.default_rng(config.seed)  # row seeds of the fused CUDA sampler
         if self.device.type == "cuda":
-            from worker.fused_sampling import row_seeds  # needs Triton: CUDA builds of torch only
+            from minivllm.worker.fused_sampling import row_seeds  # needs Triton: CUDA builds of torch only
 
             self.row_seeds = row_seeds
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.device)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from protocol.messages import PromptLogprobs
-from worker.input_batch import InputBatch, StepInputs
+from minivllm.protocol.messages import PromptLogprobs
+from minivllm.worker.input_batch import InputBatch, StepInputs
 
 # Positions scored at once: bounds the [positions, vocab] fp32 logits of a long prefill chunk.
 _MAX_POSITIONS_PER_PASS = 512

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.sampling_params import SamplingParams
+from minivllm.protocol.sampling_params import SamplingParams
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Sampler:
         """The CUDA path: rows with no top-k/top-p go through one fused kernel
         (worker/fused_sampling.py, `seeds` are its per-row Philox seeds); the others through
         the torch ops below. Each row's tokens depend only on its own settings and seed."""
-        from worker.fused_sampling import gumbel_max_sample
+        from minivllm.worker.fused_sampling import gumbel_max_sample
 
         filtered = (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from protocol.config import EngineConfig
-from protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
-from protocol.serial import encode, worker_input_decoder
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
+from minivllm.protocol.serial import encode, worker_input_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, dist_init_address: str | None = None) -> None:
         # These import torch: after the sockets are up.
-        from worker.distributed import init_distributed
-        from worker.model_runner import ModelRunner, resolve_device
+        from minivllm.worker.distributed import init_distributed
+        from minivllm.worker.model_runner import ModelRunner, resolve_device
 
         self.rank = rank
         world_size = config.tensor_parallel_size
@@ -102,7 +102,7 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
                 method = message.method
                 reply(method, worker.call(method, message.args))
             elif isinstance(message, Shutdown):
-                from worker.distributed import destroy_distributed
+                from minivllm.worker.distributed import destroy_distributed
 
                 # Every rank got Shutdown: none is left inside a collective.
                 destroy_distributed(graphs_captured=worker.model_runner.graphs is not None)

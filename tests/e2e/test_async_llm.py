@@ -15,8 +15,8 @@ import time
 import msgspec
 import pytest
 
-from frontend import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
-from frontend.async_llm import run
+from minivllm import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
+from minivllm.frontend.async_llm import run
 from tests.procs import wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -20,8 +20,8 @@ import shutil
 import pytest
 import torch
 
-from frontend import LLM, BeamSearchParams, SamplingParams
-from frontend.beam_search import MAX_BEAM_WIDTH, beam_search_score
+from minivllm import LLM, BeamSearchParams, SamplingParams
+from minivllm.frontend.beam_search import MAX_BEAM_WIDTH, beam_search_score
 from tests.tiny_models import EOS_TOKEN_ID
 
 pytest.importorskip("transformers", minversion="4.50")  # the length penalty formula changed then

@@ -15,7 +15,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_prints_the_completion(tiny_llama) -> None:
-    from frontend import LLM, SamplingParams
+    from minivllm import LLM, SamplingParams
 
     with LLM(tiny_llama, max_model_len=128) as llm:
         expected = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
@@ -25,7 +25,7 @@ def test_generate_prints_the_completion(tiny_llama) -> None:
 
 
 def test_generate_answers_through_the_chat_template_unless_no_chat(tiny_chat_llama) -> None:
-    from frontend import LLM, SamplingParams
+    from minivllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(tiny_chat_llama, max_model_len=128) as llm:

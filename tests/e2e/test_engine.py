@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from frontend import LLM, EngineDeadError, SamplingParams
+from minivllm import LLM, EngineDeadError, SamplingParams
 from tests.procs import pid_alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

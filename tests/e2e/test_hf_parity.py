@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from frontend import LLM, SamplingParams
+from minivllm import LLM, SamplingParams
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import EOS_TOKEN_ID
 

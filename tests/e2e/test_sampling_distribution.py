@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend import LLM, SamplingParams
-from worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from minivllm import LLM, SamplingParams
+from minivllm.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
 
 PROMPT = "The quick brown fox"
 ACCEPT_P = 1e-3  # the draws are seeded, so a pass is deterministic; this only sets how strict

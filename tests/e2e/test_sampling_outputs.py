@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend import LLM, SamplingParams
-from protocol.sampling_params import MAX_LOGPROBS
+from minivllm import LLM, SamplingParams
+from minivllm.protocol.sampling_params import MAX_LOGPROBS
 from tests.tiny_models import EOS_TOKEN, EOS_TOKEN_ID
 
 LOGPROB_TOL = 1e-4  # fp32 on both sides; observed differences are ~1e-6

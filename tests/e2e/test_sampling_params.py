@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend import LLM, SamplingParams
+from minivllm import LLM, SamplingParams
 
 PROMPTS = ["Hello", "The quick brown fox", "What is the capital of France?"]
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from frontend import LLM, SamplingParams
+from minivllm import LLM, SamplingParams
 from tests.procs import wait_gone
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,6 +61,6 @@ def test_attach_generate_detach_attach_again(tiny_llama, engine_address) -> None
 
 def test_attach_to_nothing_is_a_clear_error() -> None:
     with pytest.raises(ConnectionError, match="no minivllm engine answered"):
-        from frontend.core_client import EngineCoreClient
+        from minivllm.frontend.core_client import EngineCoreClient
 
         EngineCoreClient.attach(f"tcp://127.0.0.1:{free_port()}", timeout=1.0)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from frontend import LLM, SamplingParams
+from minivllm import LLM, SamplingParams
 from tests.hf_reference import hf_greedy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

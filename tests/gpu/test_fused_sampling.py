@@ -7,8 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
-from worker.fused_sampling import gumbel_max_sample, row_seeds  # noqa: E402
-from worker.sampler import Sampler  # noqa: E402
+from minivllm.worker.fused_sampling import gumbel_max_sample, row_seeds  # noqa: E402
+from minivllm.worker.sampler import Sampler  # noqa: E402
 
 
 def sample(logits, temperature, seeds):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend import LLM, SamplingParams
-from protocol.config import EngineConfig
-from protocol.messages import NewRequestData, SchedulerOutput
-from worker.model_runner import ModelRunner
+from minivllm import LLM, SamplingParams
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import NewRequestData, SchedulerOutput
+from minivllm.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 400 + 1 for j in range(n)]} for i, n in

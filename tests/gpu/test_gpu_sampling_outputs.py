@@ -3,7 +3,7 @@ the CPU reference path's, and the fused sampler's rows obey bad words."""
 
 from __future__ import annotations
 
-from frontend import LLM, SamplingParams
+from minivllm import LLM, SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 400 + 1 for j in range(n)]} for i, n in enumerate([1, 9, 40, 130])]
 PROMPT_LOGPROB_TOLERANCE = 1e-3  # fp32 on both devices; kernels sum in other orders

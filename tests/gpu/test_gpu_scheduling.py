@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from frontend import LLM, SamplingParams
+from minivllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

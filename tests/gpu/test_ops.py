@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
-from worker import ops  # noqa: E402
+from minivllm.worker import ops  # noqa: E402
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.attention.metadata import AttentionMetadata, kv_cache_shape
-from worker.attention.reference import paged_attention as reference_attention
-from worker.attention.reference import write_kv
+from minivllm.worker.attention.metadata import AttentionMetadata, kv_cache_shape
+from minivllm.worker.attention.reference import paged_attention as reference_attention
+from minivllm.worker.attention.reference import write_kv
 
 pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
-from worker.attention.triton_attention import paged_attention, store_kv  # noqa: E402
+from minivllm.worker.attention.triton_attention import paged_attention, store_kv  # noqa: E402
 
 # (context already cached, tokens this step): chunks with and without a prefix, decodes, and
 # lengths on and off block boundaries.

@@ -15,10 +15,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from core.scheduler import Scheduler
-from protocol.config import EngineConfig
-from protocol.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
-from protocol.sampling_params import SamplingParams
+from minivllm.core.scheduler import Scheduler
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
 
 EOS = 2
 

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from protocol.messages import FINISH_LENGTH, FINISH_STOP, ModelRunnerOutput
+from minivllm.protocol.messages import FINISH_LENGTH, FINISH_STOP, ModelRunnerOutput
 from tests.unit.scheduler_harness import EOS, cdiv, make_request, make_scheduler, run_to_completion
 
 

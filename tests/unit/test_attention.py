@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.attention.metadata import AttentionMetadata, kv_cache_shape
-from worker.attention.reference import ReferenceAttentionBackend, write_kv
+from minivllm.worker.attention.metadata import AttentionMetadata, kv_cache_shape
+from minivllm.worker.attention.reference import ReferenceAttentionBackend, write_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 

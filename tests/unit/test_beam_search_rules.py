@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from frontend.beam_search import BeamSearchParams, beam_search_score, run_beam_search
-from frontend.outputs import Logprob
+from minivllm.frontend.beam_search import BeamSearchParams, beam_search_score, run_beam_search
+from minivllm.frontend.outputs import Logprob
 
 VOCAB = 8
 EOS = 0

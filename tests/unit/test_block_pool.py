@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from core.kv_cache_manager import KVCacheManager
-from core.request import Request
-from protocol.sampling_params import SamplingParams
+from minivllm.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request
+from minivllm.protocol.sampling_params import SamplingParams
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.chat import as_conversations, has_chat_template, render_chat_prompt
+from minivllm.frontend.chat import as_conversations, has_chat_template, render_chat_prompt
 from tests.tiny_models import EOS_TOKEN, EOS_TOKEN_ID, TINY_CHAT_TEMPLATE, build_tiny_tokenizer
 
 HELLO = [{"role": "user", "content": "Hello"}]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.output_processor import RequestState
-from protocol.messages import EngineCoreOutput
-from protocol.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.frontend.output_processor import RequestState
+from minivllm.protocol.messages import EngineCoreOutput
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tests.tiny_models import build_tiny_tokenizer
 
 # 2-, 3- and 4-byte characters next to ASCII.
@@ -97,7 +97,7 @@ def test_detokenize_false_leaves_the_text_empty(tokenizer) -> None:
 
 
 def test_prompt_logprobs_in_vllms_format_and_streamed_once(tokenizer) -> None:
-    from protocol.messages import PromptLogprobs
+    from minivllm.protocol.messages import PromptLogprobs
 
     prompt = [5, 6, 7]
     entry = PromptLogprobs(token_ids=[[6, 9], [7, 7]], logprobs=[[-2.0, -0.5], [-0.1, -0.1]], ranks=[3, 1])

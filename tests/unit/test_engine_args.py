@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from frontend.cli import build_parser, engine_kwargs
+from minivllm.frontend.cli import build_parser, engine_kwargs
 
 
 def parse(*flags: str) -> dict:

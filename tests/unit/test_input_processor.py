@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.input_processor import InputProcessor
-from protocol.messages import EngineInfo
-from protocol.sampling_params import SamplingParams
+from minivllm.frontend.input_processor import InputProcessor
+from minivllm.protocol.messages import EngineInfo
+from minivllm.protocol.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny_tokenizer
 
 INFO = EngineInfo(model="m", tokenizer="t", max_model_len=64, vocab_size=512, eos_token_ids=[0], block_size=16,

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.messages import NewRequestData
-from protocol.sampling_params import SamplingParams
-from worker.input_batch import InputBatch
-from worker.logits_processors import apply_logits_processors
-from worker.sampler import Sampler, SamplingMetadata
+from minivllm.protocol.messages import NewRequestData
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.worker.input_batch import InputBatch
+from minivllm.worker.logits_processors import apply_logits_processors
+from minivllm.worker.sampler import Sampler, SamplingMetadata
 
 VOCAB = 10
 

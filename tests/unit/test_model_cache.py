@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from frontend.model_cache import MANIFEST_NAME, ModelCacheError, build_cached, cache_root, check_model_dir
+from minivllm.frontend.model_cache import MANIFEST_NAME, ModelCacheError, build_cached, cache_root, check_model_dir
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import frontend.model_download as md
-from frontend.model_download import DEFAULT_MODEL, ModelDownloadError, PypiGguf
+import minivllm.frontend.model_download as md
+from minivllm.frontend.model_download import DEFAULT_MODEL, ModelDownloadError, PypiGguf
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from protocol.config import EngineConfig
-from protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
-from protocol.sampling_params import SamplingParams
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
 from tests.tiny_models import ARCHS
-from worker.model_runner import ModelRunner
+from minivllm.worker.model_runner import ModelRunner
 
 NUM_BLOCKS = 256
 PROMPT_LENS = [1, 6, 17, 35]
@@ -270,7 +270,7 @@ def test_seeded_sampling_is_batch_independent(tiny_llama) -> None:
 def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from worker.models.loader import load_model
+    from minivllm.worker.models.loader import load_model
 
     model_dir = tiny_model_factory("qwen2")
     sharded_dir = str(tmp_path / "sharded")
@@ -286,7 +286,7 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory, tmp_path)
 def test_rope_parameters_both_config_layouts() -> None:
     from types import SimpleNamespace
 
-    from worker.models.llama import rope_parameters
+    from minivllm.worker.models.llama import rope_parameters
 
     # transformers 4: rope_theta + rope_scaling (with the old "type" key)
     old = SimpleNamespace(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0})

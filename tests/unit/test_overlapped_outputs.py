@@ -11,11 +11,11 @@ from collections import deque
 
 import pytest
 
-from core.scheduler import Scheduler
-from protocol.config import EngineConfig
-from protocol.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
-from protocol.sampling_params import SamplingParams
-from worker.model_runner import OVERLAP_ENV, ModelRunner
+from minivllm.core.scheduler import Scheduler
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.worker.model_runner import OVERLAP_ENV, ModelRunner
 
 EMPTY = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.models import parallel_layers as pl
+from minivllm.worker.models import parallel_layers as pl
 
 WORLD = 2
 

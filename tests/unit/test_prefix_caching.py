@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from core.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
-from core.kv_cache_manager import KVCacheManager
-from core.request import Request
-from protocol.sampling_params import SamplingParams
+from minivllm.core.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request
+from minivllm.protocol.sampling_params import SamplingParams
 from tests.unit.scheduler_harness import default_token, make_request, make_scheduler, run_to_completion, step
 
 BLOCK_SIZE = 4

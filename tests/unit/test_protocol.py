@@ -8,8 +8,8 @@ import sys
 import msgspec
 import pytest
 
-from protocol.config import EngineConfig
-from protocol.messages import (
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.messages import (
     AbortRequests,
     CachedRequestData,
     EngineCoreOutput,
@@ -23,8 +23,8 @@ from protocol.messages import (
     WorkerCall,
     WorkerReply,
 )
-from protocol.sampling_params import RequestOutputKind, SamplingParams
-from protocol.serial import (
+from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.protocol.serial import (
     encode,
     engine_input_decoder,
     engine_output_decoder,
@@ -34,12 +34,12 @@ from protocol.serial import (
 
 
 def test_protocol_imports_no_torch() -> None:
-    code = "import protocol.messages, protocol.serial, protocol.config, protocol.ipc, sys; print('torch' in sys.modules)"
+    code = "import minivllm.protocol.messages, minivllm.protocol.serial, minivllm.protocol.config, minivllm.protocol.ipc, sys; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def test_core_imports_no_torch() -> None:
-    code = "import core.engine_core, sys; print('torch' in sys.modules)"
+    code = "import minivllm.core.engine_core, sys; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from worker.models.llama import rope_inv_freq, rope_parameters
+from minivllm.worker.models.llama import rope_inv_freq, rope_parameters
 
 LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}

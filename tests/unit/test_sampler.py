@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from protocol.sampling_params import SamplingParams
-from worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
 
 VOCAB = 64
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from core.request import RequestStatus
-from protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, ModelRunnerOutput, SchedulerOutput
+from minivllm.core.request import RequestStatus
+from minivllm.protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, ModelRunnerOutput, SchedulerOutput
 from tests.unit.scheduler_harness import (
     EOS,
     assert_no_leak,

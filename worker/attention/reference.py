@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.metadata import AttentionMetadata
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

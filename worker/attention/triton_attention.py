@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.metadata import AttentionMetadata
 
 
 @triton.jit

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker import ops
-from worker.attention.metadata import AttentionBackend, AttentionMetadata
-from worker.distributed import get_tp_rank, get_tp_world_size
-from worker.models.parallel_layers import (
+from minivllm.worker import ops
+from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
+from minivllm.worker.distributed import get_tp_rank, get_tp_world_size
+from minivllm.worker.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,

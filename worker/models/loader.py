@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.config import EngineConfig
-from worker.attention.metadata import AttentionBackend
-from worker.models.llama import LlamaForCausalLM
-from worker.models.parallel_layers import ColumnParallelLinear, Loadable, loaded_shape
+from minivllm.protocol.config import EngineConfig
+from minivllm.worker.attention.metadata import AttentionBackend
+from minivllm.worker.models.llama import LlamaForCausalLM
+from minivllm.worker.models.parallel_layers import ColumnParallelLinear, Loadable, loaded_shape
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def load_model(
     ):
         logger.warning("sliding_window=%d is ignored: attention is full-context", hf_config.sliding_window)
     if attn_backend is None:
-        from worker.attention.reference import ReferenceAttentionBackend
+        from minivllm.worker.attention.reference import ReferenceAttentionBackend
 
         attn_backend = ReferenceAttentionBackend()
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
+from minivllm.worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
 
 # A torch tensor or a safetensors PySafeSlice: both index like a tensor; the slice reads only what
 # is indexed from the file.
