@@ -30,13 +30,14 @@ _EXPORTS = {
     "BeamSearchOutput": "minivllm.frontend.beam_search",
     "BeamSearchSequence": "minivllm.frontend.beam_search",
     "EngineDeadError": "minivllm.frontend.core_client",
+    "EngineOverloadedError": "minivllm.frontend.core_client",
     "EngineConfig": "minivllm.protocol.config",
 }
 _SUBPACKAGES = ("frontend", "core", "worker", "protocol")
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "EngineDeadError", "EngineConfig",
-           "__version__"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "EngineDeadError", "EngineOverloadedError",
+           "EngineConfig", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -57,7 +58,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from minivllm.frontend.async_llm import AsyncLLM
     from minivllm.frontend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-    from minivllm.frontend.core_client import EngineDeadError
+    from minivllm.frontend.core_client import EngineDeadError, EngineOverloadedError
     from minivllm.frontend.llm import LLM
     from minivllm.frontend.outputs import CompletionOutput, Logprob, RequestOutput
     from minivllm.protocol.config import EngineConfig

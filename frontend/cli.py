@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one request may run in one step (0: no cap)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule the next step while the workers run the current one")
+    g.add_argument("--max-pending-requests", type=int, default=4096,
+                   help="most requests the engine holds (running + waiting); beyond it new requests are "
+                        "refused as overloaded (HTTP 503 from `serve`) instead of queueing without bound")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -58,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         load_format=args.load_format, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold, async_scheduling=args.async_scheduling,
+        max_pending_requests=args.max_pending_requests,
     )
 
 

@@ -57,6 +57,11 @@ class EngineDeadError(RuntimeError):
     """The EngineCore (or one of its workers) is gone; this engine can serve no more requests."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine holds as many requests as it may (max_pending_requests) and refused this one;
+    try again later. Other requests are unaffected."""
+
+
 class EngineCoreClientBase:
     """What every transport to the EngineCore shares: the engine process (if spawned), the
     per-client request-id prefix, how the engine's messages are read, and when it counts as dead.

@@ -18,6 +18,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # On a GPU a step of a few thousand tokens costs little more than one of 2048 (the weights are read
 # once either way), and fewer, fuller steps finish prompts sooner: vLLM's offline default is larger too.
 DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_PENDING_REQUESTS = 4096
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -52,6 +53,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     async_scheduling: bool = True
     # parallelism
     tensor_parallel_size: int = 1
+    # admission: most requests the engine holds (running + waiting) before it refuses new ones as
+    # overloaded, so a flood cannot grow its queues (and memory) without bound
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS
 
     @classmethod
     def create(
@@ -75,6 +79,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         long_prefill_token_threshold: int = 0,
         enable_prefix_caching: bool = True,
         async_scheduling: bool = True,
+        max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
     ) -> "EngineConfig":
         """Validate the user's arguments and fill in what the model's config decides."""
         if not os.path.isdir(model):
@@ -96,6 +101,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("long_prefill_token_threshold caps prefill chunks, but scheduling_policy='v0' "
                              "schedules whole prompts; leave it at 0 or use 'fcfs' / 'priority'.")
         _check_at_least("tensor_parallel_size", tensor_parallel_size, 1)
+        _check_at_least("max_pending_requests", max_pending_requests, 1)
         if num_gpu_blocks is not None:
             _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -151,6 +157,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
             async_scheduling=async_scheduling,
+            max_pending_requests=max_pending_requests,
         )
 
 
