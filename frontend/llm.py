@@ -18,7 +18,7 @@ from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.model_download import resolve_model
 from minivllm.frontend.output_processor import OutputProcessor, fan_out
 from minivllm.frontend.outputs import Logprob, RequestOutput
-from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.config import DEFAULT_MAX_PENDING_REQUESTS, EngineConfig
 from minivllm.protocol.messages import EngineStats
 from minivllm.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -37,6 +37,8 @@ class LLM:
     scheduling_policy: "fcfs", "priority" (generate(..., priority=[...]); lower runs first), or
     "v0" (the pre-V1 scheduler: whole-prompt prefill steps, then decode steps; for comparison).
     long_prefill_token_threshold: most prompt tokens one request may run in one step (0: no cap).
+    max_pending_requests: most requests the engine holds (running + waiting) before it refuses new
+    ones with EngineOverloadedError.
 
     generate() runs in one thread at a time; abort_request, get_unfinished_request_ids,
     get_stats, log_stats and reset_prefix_cache may be called from any thread, also while
@@ -65,6 +67,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
         async_scheduling: bool = True,
+        max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
         engine_address: str | None = None,
     ) -> None:
         if engine_address is not None:
@@ -80,6 +83,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                 long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
+                max_pending_requests=max_pending_requests,
             )
             self.client = EngineCoreClient.spawn(config)
         # Stop the engine when this object is collected or the interpreter exits.
