@@ -1,4 +1,4 @@
-"""The reference paged attention equals plain causal attention on contiguous K/V."""
+"""The CPU paged-attention backends (the reference and SDPA) equal plain causal attention on contiguous K/V."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.attention.metadata import AttentionMetadata, kv_cache_shape
+from minivllm.worker.attention.cpu_sdpa import SdpaAttentionBackend
 from minivllm.worker.attention.reference import ReferenceAttentionBackend, write_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
+BACKENDS = {"reference": ReferenceAttentionBackend, "cpu-sdpa": SdpaAttentionBackend}
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_queries: int) -> torch.Tensor:
@@ -23,7 +25,7 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nu
     return out.transpose(0, 1)[-num_queries:]
 
 
-def run_case(context_lens: list[int], query_lens: list[int], block_size: int, seed: int) -> None:
+def run_case(backend: str, context_lens: list[int], query_lens: list[int], block_size: int, seed: int) -> None:
     """Sequence i has context_lens[i] tokens already cached and runs query_lens[i] new ones."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
@@ -71,7 +73,7 @@ def run_case(context_lens: list[int], query_lens: list[int], block_size: int, se
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )
-    out = ReferenceAttentionBackend().forward(q, k, v, kv_cache, metadata, HEAD_DIM**-0.5)
+    out = BACKENDS[backend]().forward(q, k, v, kv_cache, metadata, HEAD_DIM**-0.5)
 
     expected = torch.cat(
         [dense_causal_attention(full_q[i], full_k[i], full_v[i], query_lens[i]) for i in range(len(seq_lens))]
@@ -84,20 +86,38 @@ def run_case(context_lens: list[int], query_lens: list[int], block_size: int, se
     torch.testing.assert_close(flat[1][slot_mapping], v)
 
 
+@pytest.fixture(params=list(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mixed_batch(block_size: int, seed: int) -> None:
+def test_mixed_batch(backend: str, block_size: int, seed: int) -> None:
     # prefill from scratch, chunk with cached prefix, decodes, a chunk ending mid-block
     context_lens = [0, 23, 40, 7, 0, 16]
     query_lens = [19, 9, 1, 1, 1, 12]
-    run_case(context_lens, query_lens, block_size, seed)
+    run_case(backend, context_lens, query_lens, block_size, seed)
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_only_decodes(block_size: int) -> None:
-    run_case([3, 15, 16, 31, 64], [1, 1, 1, 1, 1], block_size, seed=2)
+def test_only_decodes(backend: str, block_size: int) -> None:
+    run_case(backend, [3, 15, 16, 31, 64], [1, 1, 1, 1, 1], block_size, seed=2)
 
 
 @pytest.mark.parametrize("block_size", [16, 5, 1])
-def test_single_prefill(block_size: int) -> None:
-    run_case([0], [37], block_size, seed=3)
+def test_single_prefill(backend: str, block_size: int) -> None:
+    run_case(backend, [0], [37], block_size, seed=3)
+
+
+def test_sdpa_backend_plans_each_step_afresh() -> None:
+    """The SDPA backend works a step's gather plan out once and reuses it for the step's other
+    layers; the next step (new metadata) must get a plan of its own."""
+    shared = SdpaAttentionBackend()
+    BACKENDS["shared"] = lambda: shared
+    try:
+        run_case("shared", [0, 23, 40], [19, 9, 1], block_size=16, seed=4)
+        run_case("shared", [3, 15, 31], [1, 1, 1], block_size=16, seed=5)
+        run_case("shared", [0], [37], block_size=5, seed=6)
+    finally:
+        del BACKENDS["shared"]

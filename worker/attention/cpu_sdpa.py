@@ -1,0 +1,128 @@
+"""Paged attention on the CPU through torch's fused scaled_dot_product_attention.
+
+The reference backend (reference.py) walks block-table columns with a dozen small tensor ops
+each; on a CPU those ops' overhead, not arithmetic, sets the speed. Here each step gathers every
+sequence's context once into a contiguous [keys, kv_heads, head_dim] tensor and hands it to
+SDPA, whose CPU kernel is a tiled flash attention:
+
+- Decodes (one query token each) go in one batched call: contexts are padded to the longest,
+  and a boolean mask hides the padding. Padded positions gather the sequence's own slot 0
+  rather than whatever the pool holds there, so they are finite and the mask zeroes them
+  exactly (a cache slot never written may hold NaN, and 0 * NaN is NaN).
+- Prefill chunks go one sequence at a time: a chunk's queries are the last `query_len` of
+  its `seq_len` positions, so the causal mask is shifted by the cached prefix (plain
+  is_causal when there is none).
+
+Which rows are decodes, and the gather indices, depend only on the step, not the layer: they
+are worked out once per step (for the first layer) and reused by the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.reference import write_kv
+
+
+@dataclass
+class PrefillChunk:
+    rows: slice  # its query rows in the packed batch
+    slots: torch.Tensor  # [seq_len] flat cache slots of positions 0..seq_len-1
+    causal_mask: torch.Tensor | None  # [query_len, seq_len], None when it has no cached prefix
+
+
+@dataclass
+class StepPlan:
+    decode_rows: torch.Tensor  # [num_decodes] query rows of the single-token sequences
+    decode_slots: torch.Tensor  # [num_decodes, longest context] flat slots (padding: slot of position 0)
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, longest context] True where the key is real
+    prefills: list[PrefillChunk]
+
+
+def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    query_start = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    block_tables = metadata.block_tables.long()
+    offsets = torch.arange(block_size)
+    decode_seqs, prefills = [], []
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start[i], query_start[i + 1]
+        if end - start == 1:
+            decode_seqs.append(i)
+            continue
+        num_blocks = -(-seq_len // block_size)
+        slots = (block_tables[i, :num_blocks, None] * block_size + offsets).flatten()[:seq_len]
+        mask = None
+        query_len = end - start
+        if query_len != seq_len:  # query i is position seq_len - query_len + i: it sees keys up to there
+            mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
+        prefills.append(PrefillChunk(slice(start, end), slots, mask))
+
+    decode_rows = torch.tensor([query_start[i] for i in decode_seqs], dtype=torch.long)
+    if decode_seqs:
+        lens = metadata.seq_lens[decode_seqs].long()
+        longest = int(lens.max())
+        num_blocks = -(-longest // block_size)
+        slots = (block_tables[decode_seqs, :num_blocks, None] * block_size + offsets).flatten(1)[:, :longest]
+        real = torch.arange(longest)[None, :] < lens[:, None]
+        decode_slots = torch.where(real, slots, slots[:, :1])
+        decode_mask = real[:, None, None, :]
+    else:
+        decode_slots = torch.empty(0, 0, dtype=torch.long)
+        decode_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool)
+    return StepPlan(decode_rows, decode_slots, decode_mask, prefills)
+
+
+class SdpaAttentionBackend:
+    """The CPU AttentionBackend (see worker/attention/metadata.py for the interface)."""
+
+    name = "cpu-sdpa"
+
+    def __init__(self) -> None:
+        self._planned_for: AttentionMetadata | None = None
+        self._plan: StepPlan | None = None
+
+    def plan(self, metadata: AttentionMetadata, block_size: int) -> StepPlan:
+        if self._planned_for is not metadata:  # a new step: every layer after the first reuses it
+            self._plan = plan_step(metadata, block_size)
+            self._planned_for = metadata
+        return self._plan
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        plan = self.plan(metadata, block_size)
+        flat_keys = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
+        flat_values = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
+        gqa = query.shape[1] != num_kv_heads
+        out = torch.empty_like(query)
+
+        if plan.decode_rows.numel():
+            # [decodes, heads, 1, dim] against [decodes, kv_heads, longest, dim]
+            q = query[plan.decode_rows].unsqueeze(2)
+            k = flat_keys[plan.decode_slots].transpose(1, 2)
+            v = flat_values[plan.decode_slots].transpose(1, 2)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale,
+                                                      enable_gqa=gqa)
+            out[plan.decode_rows] = attended.squeeze(2)
+
+        for chunk in plan.prefills:
+            q = query[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
+            k = flat_keys[chunk.slots].transpose(0, 1).unsqueeze(0)
+            v = flat_values[chunk.slots].transpose(0, 1).unsqueeze(0)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, scale=scale,
+                                                      is_causal=chunk.causal_mask is None, enable_gqa=gqa)
+            out[chunk.rows] = attended.squeeze(0).transpose(0, 1)
+        return out
