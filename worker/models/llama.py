@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.worker import ops
+from minivllm.worker import cpu_gemm, ops
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
 from minivllm.worker.distributed import get_tp_rank, get_tp_world_size
 from minivllm.worker.models.parallel_layers import (
@@ -284,6 +284,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         max_position = max_position or hf_config.max_position_embeddings
         self.model = LlamaModel(hf_config, attn_backend, max_position)
+        self.packed_logits_weight: torch.Tensor | None = None  # set by pack_for_cpu
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None  # logits use embed_tokens.weight (this rank's shard of it)
@@ -310,4 +311,15 @@ class LlamaForCausalLM(nn.Module):
         """hidden [n, hidden_size] (only the rows that sample) -> full logits [n, vocab_size] on
         every rank (see vocab_parallel_logits for why every rank gets them)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(hidden_states, weight, self.vocab_size)
+        return vocab_parallel_logits(hidden_states, weight, self.vocab_size, self.packed_logits_weight)
+
+    def pack_for_cpu(self) -> None:
+        """fp32 on the CPU: run every projection and the LM head on oneDNN-packed weights (see
+        worker/cpu_gemm.py). The embedding keeps its plain table for lookups (tied or not)."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.pack_for_cpu()
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_logits_weight = cpu_gemm.pack(weight)
+        if self.lm_head is not None:  # an untied head is read by the logits alone
+            self.lm_head.weight = None

@@ -6,6 +6,9 @@ load_format:
                       under tensor parallelism each rank reads only its shard's rows/columns
                       from the file (safetensors `get_slice`)
   dummy               small uniform random weights, from config.json alone (benchmarks)
+
+In fp32 on the CPU the loaded projections are then packed for oneDNN (worker/cpu_gemm.py), unless
+MINIVLLM_CPU_PACKED_GEMM=0.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from minivllm.protocol.config import EngineConfig
+from minivllm.worker import cpu_gemm
 from minivllm.worker.attention.metadata import AttentionBackend
 from minivllm.worker.models.llama import LlamaForCausalLM
 from minivllm.worker.models.parallel_layers import ColumnParallelLinear, Loadable, loaded_shape
@@ -26,6 +30,7 @@ from minivllm.worker.models.parallel_layers import ColumnParallelLinear, Loadabl
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+CPU_PACKED_GEMM_ENV = "MINIVLLM_CPU_PACKED_GEMM"  # "0": plain F.linear on the CPU
 
 # Checkpoint tensors that are not weights of ours (old checkpoints store RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -70,6 +75,8 @@ def load_model(
         load_safetensors_weights(model, config.model)
     else:
         raise ValueError(f"unknown load_format {config.load_format!r}")
+    if cpu_gemm.packs(model.model.embed_tokens.weight) and os.environ.get(CPU_PACKED_GEMM_ENV, "1") != "0":
+        model.pack_for_cpu()
     return model.eval()
 
 

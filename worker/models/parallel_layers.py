@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.worker import cpu_gemm
 from minivllm.worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
 
 # A torch tensor or a safetensors PySafeSlice: both index like a tensor; the slice reads only what
@@ -75,9 +76,17 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = start  # local
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # set by pack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_gemm.linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self) -> None:
+        """Run on oneDNN's packed copy of the weight from now on (see worker/cpu_gemm.py); the
+        plain weight is dropped, so call this once the weights are loaded."""
+        self.packed_weight, self.weight = cpu_gemm.pack(self.weight), None
 
     def load_weight(self, param_name: str, loaded: Loadable, shard_id: str) -> None:
         spec = self.shards[shard_id]
@@ -100,9 +109,15 @@ class RowParallelLinear(nn.Module):
         self.in_features = divide(in_features, self.world_size, "a row-parallel layer's input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # set by pack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight, self.bias if self.rank == 0 else None))
+        bias = self.bias if self.rank == 0 else None
+        if self.packed_weight is not None:
+            return all_reduce(cpu_gemm.linear(x, self.packed_weight, bias))
+        return all_reduce(F.linear(x, self.weight, bias))
+
+    pack_for_cpu = ColumnParallelLinear.pack_for_cpu
 
     def load_weight(self, param_name: str, loaded: Loadable) -> None:
         if param_name == "bias":  # replicated
@@ -149,12 +164,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     the embedding's shard in its place). Logits come from `vocab_parallel_logits`."""
 
 
-def vocab_parallel_logits(hidden_states: torch.Tensor, weight_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """hidden [n, hidden] -> full logits [n, vocab_size] on every rank.
+def vocab_parallel_logits(hidden_states: torch.Tensor, weight_shard: torch.Tensor, vocab_size: int,
+                          packed_weight_shard: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [n, hidden] -> full logits [n, vocab_size] on every rank (through the oneDNN-packed
+    copy of the weight shard when there is one).
 
     Every rank gets the full logits (an all-gather rather than a gather to rank 0 plus a broadcast
     of the sampled ids): each rank then samples the same tokens from the same bits with the same
     seeds, keeps its own copy of them for the next step, and no extra collective is needed.
     """
-    logits = all_gather_last_dim(F.linear(hidden_states, weight_shard))
+    if packed_weight_shard is not None:
+        local_logits = cpu_gemm.linear(hidden_states, packed_weight_shard, None)
+    else:
+        local_logits = F.linear(hidden_states, weight_shard)
+    logits = all_gather_last_dim(local_logits)
     return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size].contiguous()
