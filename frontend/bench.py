@@ -259,14 +259,36 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         for r in results:
             print(f"{r.backend:<14} {r.requests_per_s:>8.2f} {r.total_tokens_per_s:>12.1f} "
                   f"{r.output_tokens_per_s:>13.1f} {r.output_tokens_per_s / base:>8.2f}x")
+    roofline = None if args.no_roofline else report_roofline(args, workload, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                                     "prefix_len": args.prefix_len,
                                     "output_len": args.output_len, "seed": args.seed,
                                     "temperature": args.temperature},
-                       "results": [r.as_dict() for r in results]}, f, indent=2)
+                       "results": [r.as_dict() for r in results], "roofline": roofline}, f, indent=2)
     return 0
+
+
+def report_roofline(args: argparse.Namespace, workload: Workload, results: list[ThroughputResult]) -> dict:
+    """Print the workload's floor on this device (frontend/roofline.py) and each backend's share of it."""
+    import torch
+
+    from minivllm.frontend.roofline import ModelShape, measure_ceilings, workload_floor
+
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    shape = ModelShape.from_model_dir(args.model, dtype_bytes=torch.finfo(getattr(torch, dtype)).bits // 8)
+    ceilings = measure_ceilings(device, dtype)
+    floor = workload_floor(shape, ceilings, list(map(len, workload.prompts)), workload.output_lens, args.max_num_seqs)
+    print(f"\nroofline on {ceilings.device}, {dtype}: copy {ceilings.bandwidth_bytes_per_s / 1e12:.2f} TB/s, matmul "
+          f"{ceilings.matmul_flops_per_s / 1e12:.1f} TFLOP/s (measured now); floor {floor.seconds:.2f} s = prefill "
+          f"{floor.prefill_s:.2f} s (compute) + {floor.num_decode_steps} decode steps {floor.decode_s:.2f} s (memory) "
+          f"-> at most {floor.output_tokens_per_s:,.0f} output tok/s (benchmarks/ROOFLINE.md)")
+    for r in results:
+        print(f"  {r.backend}: {100 * r.output_tokens_per_s / floor.output_tokens_per_s:.1f}% of it")
+    return {"ceilings": ceilings.__dict__, "model": shape.__dict__, "floor": floor.as_dict(),
+            "share": {r.backend: r.output_tokens_per_s / floor.output_tokens_per_s for r in results}}
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
@@ -323,6 +345,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     tp.add_argument("--top-p", type=float, default=1.0)
     tp.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf backend")
     tp.add_argument("--progress", action="store_true", help="show progress bars")
+    tp.add_argument("--no-roofline", action="store_true",
+                    help="skip measuring this device's copy bandwidth and matmul rate for the workload's floor")
     tp.add_argument("--json", default=None, help="save the results to this file")
     add_engine_args(tp)
     tp.set_defaults(func=cmd_throughput)
