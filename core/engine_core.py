@@ -624,7 +624,7 @@ _MAX_BATCH = 256  # messages handled per socket per poll, so no socket starves t
 _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 5000
 # After a disconnect: when to check which peer it was (the socket drops the pipe a moment later).
-_PROBE_DELAYS_S = (0.05, 0.5, 2.0)
+_PROBE_DELAYS_S = (0.02, 0.1, 0.25, 0.5, 1.0, 2.0)
 # An empty EngineCoreOutputs: what a liveness probe sends (frontends read it as nothing new).
 _EMPTY_OUTPUTS = encode(EngineCoreOutputs())
 _HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -260,8 +260,9 @@ class LLM:
                         in_flight += 1
                     outputs = self.client.get_outputs()
                     for out in outputs:
-                        if out.finish_reason is not None:
-                            in_flight -= 1
+                        if out.finish_reason is None or out.request_id not in output_processor.requests:
+                            continue  # (or a late "abort" of an earlier generate's request)
+                        in_flight -= 1
                         if (error := request_error(out)) is not None:
                             raise error  # the rest of the batch is aborted below
                     finished_outputs, stopped_here = output_processor.process_outputs(outputs)

@@ -26,6 +26,7 @@ class CurveKeys:
 
     def __init__(self, secret: str) -> None:
         import zmq
+        from zmq.utils import z85
 
         if not isinstance(secret, str) or len(secret.strip()) < MIN_SECRET_LENGTH:
             raise ValueError(f"the engine key must be at least {MIN_SECRET_LENGTH} characters "
@@ -33,9 +34,9 @@ class CurveKeys:
         if not zmq.has("curve"):
             raise RuntimeError("this pyzmq's libzmq has no CURVE support; an engine key cannot be used.")
         raw = secret.strip().encode()
-        self.server_secret = zmq.utils.z85.encode(hashlib.sha256(_SERVER_LABEL + raw).digest())
+        self.server_secret = z85.encode(hashlib.sha256(_SERVER_LABEL + raw).digest())
         self.server_public = zmq.curve_public(self.server_secret)
-        self.client_secret = zmq.utils.z85.encode(hashlib.sha256(_CLIENT_LABEL + raw).digest())
+        self.client_secret = z85.encode(hashlib.sha256(_CLIENT_LABEL + raw).digest())
         self.client_public = zmq.curve_public(self.client_secret)
 
     def make_server(self, socket) -> None:
