@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec

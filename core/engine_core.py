@@ -394,9 +394,9 @@ class EngineCoreProc(EngineCore):
                 self._send_outputs([EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT,
                                                      error_type=ERROR_INVALID, error=str(e))])
         elif isinstance(message, AbortRequests):
-            # A frontend aborts its own requests only; finished and unknown ids are ignored.
-            ids = [i for i in message.request_ids if self.request_owner.get(i) == identity]
-            outputs = self.abort_requests(ids)
+            # Finished and unknown ids are ignored. Not only the sending connection's own: a
+            # frontend aborts through a second connection while another thread holds its first.
+            outputs = self.abort_requests(message.request_ids)
             if outputs:
                 self._send_outputs(outputs)
         elif isinstance(message, UtilityCall):

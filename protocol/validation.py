@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from minivllm.protocol.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs)
+MIN_TEMPERATURE = 1e-5  # below it (but above 0), use 0: greedy (vLLM treats such values as greedy)
 MAX_N = 128  # most completions per prompt (OpenAI's limit for n)
 # Ints the worker keeps in int64 arrays (top_k, min_tokens, seeds) must fit there; these caps are
 # far above any meaningful value.
@@ -56,8 +57,11 @@ def validate_sampling_params(p: "SamplingParams") -> None:
     if p.stop is not None and (not isinstance(p.stop, list) or not all(isinstance(x, str) and x for x in p.stop)):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {p.stop!r}.")
     _check_int("n", p.n, 1, MAX_N)
-    if _check_float("temperature", p.temperature) < 0.0:
+    temperature = _check_float("temperature", p.temperature)
+    if temperature < 0.0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {p.temperature}.")
+    if 0.0 < temperature < MIN_TEMPERATURE:  # logits / temperature would overflow to inf, then NaN
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {p.temperature}.")
     if not 0.0 < _check_float("top_p", p.top_p) <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p}.")
     _check_int("top_k", p.top_k, -1, MAX_TOP_K, " (-1 and 0: off)")

@@ -61,6 +61,7 @@ def test_a_valid_request_passes_and_limits_are_rechecked_after_changes() -> None
     (dict(n=129), r"n must be an integer in \[1, 128\]"),
     (dict(temperature=math.nan), "temperature must be a finite number"),
     (dict(temperature=math.inf), "temperature must be a finite number"),
+    (dict(temperature=1e-30), r"temperature must be 0 \(greedy\) or >= 1e-05"),
     (dict(top_k=2**40), r"top_k must be an integer in \[-1, 2147483647\]"),
     (dict(min_tokens=2**40, max_tokens=None), "min_tokens must be an integer in"),
     (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
