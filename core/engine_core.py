@@ -12,12 +12,13 @@ The busy loop never touches a socket: the input thread owns the ROUTER socket (Z
 single-threaded) and decodes what arrives; the output thread encodes replies and hands the bytes to
 the input thread through an in-process socket. So (de)serialization overlaps the model step.
 Several frontends may be attached at once; each request's outputs go back to the frontend that
-sent it.
+sent it. The socket is untrusted input: see EngineCoreProc.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 import os
 import queue
@@ -29,9 +30,11 @@ from typing import Any, Callable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from minivllm.core.executor import Executor, WorkerDiedError
 from minivllm.core.scheduler import Scheduler
+from minivllm.protocol.auth import CurveKeys, check_bind_allowed
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import remove_ipc_file
 from minivllm.protocol.messages import (
@@ -39,6 +42,8 @@ from minivllm.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ERROR_INVALID,
+    ERROR_OVERLOADED,
     FINISH_ABORT,
     EngineInfo,
     EngineStats,
@@ -49,6 +54,12 @@ from minivllm.protocol.messages import (
     UtilityResult,
 )
 from minivllm.protocol.serial import encode, engine_input_decoder
+from minivllm.protocol.validation import (
+    MAX_REQUEST_ID_LENGTH,
+    WIRE_REQUEST_ID_OVERHEAD,
+    EngineLimits,
+    validate_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +219,7 @@ class EngineCore:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             engine_pid=os.getpid(), worker_pids=self.executor.worker_pids,
             scheduling_policy=c.scheduling_policy, enable_prefix_caching=c.enable_prefix_caching,
+            max_pending_requests=c.max_pending_requests,
         )
 
     def get_stats(self) -> EngineStats:
@@ -226,16 +238,65 @@ class EngineCore:
         self.executor.shutdown()
 
 
-class EngineCoreProc(EngineCore):
-    """An EngineCore serving frontends at a ZMQ address until told to stop."""
+class _ClientGone:
+    """Put on the input queue by the socket thread: this frontend's connection is gone."""
 
-    def __init__(self, config: EngineConfig, address: str) -> None:
+
+_CLIENT_GONE = _ClientGone()
+
+
+class RateLimitedLog:
+    """At most `burst` lines per `interval_s` of one kind of complaint; the rest are counted and
+    reported with the next line, so a flood of garbage cannot flood the log."""
+
+    def __init__(self, level: int, burst: int = 5, interval_s: float = 10.0) -> None:
+        self.level, self.burst, self.interval_s = level, burst, interval_s
+        self.window_start = time.monotonic()
+        self.logged = self.suppressed = 0
+
+    def __call__(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.window_start >= self.interval_s:
+            self.window_start, self.logged = now, 0
+        if self.logged >= self.burst:
+            self.suppressed += 1
+            return
+        self.logged += 1
+        if self.suppressed:
+            msg += f" ({self.suppressed} similar messages suppressed)"
+            self.suppressed = 0
+        logger.log(self.level, msg, *args)
+
+
+class EngineCoreProc(EngineCore):
+    """An EngineCore serving frontends at a ZMQ address until told to stop.
+
+    Its socket is untrusted input (see README, "The engine boundary"): the socket thread drops
+    what does not decode (any frame count, any bytes), answers a request that fails validation
+    (protocol/validation.py, the frontend's very function) or comes past max_pending_requests with
+    an error of its own, and passes on only what is safe to schedule. With an engine key only
+    peers holding it get through the CURVE handshake. A frontend whose connection drops (killed,
+    vanished host: ZMTP heartbeats) has its requests aborted and their blocks freed.
+    """
+
+    def __init__(self, config: EngineConfig, address: str, engine_key: str | None = None,
+                 insecure: bool = False) -> None:
+        check_bind_allowed(address, engine_key, insecure)  # before the model loads
+        self.curve_keys = CurveKeys(engine_key) if engine_key is not None else None
         super().__init__(config)
         self.address = address
-        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.limits = EngineLimits.from_engine_info(self.get_engine_info())
+        # Bounded: when the busy loop falls behind, the socket thread waits, ZMQ's queues fill
+        # (RCVHWM) and senders are pushed back, instead of memory growing.
+        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue(maxsize=_INPUT_QUEUE_SIZE)
         self.output_queue: queue.Queue[tuple[bytes, EngineCoreOutputs] | None] = queue.Queue()
         self.request_owner: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
+        self.client_requests: dict[bytes, set[str]] = {}  # identity -> its live request ids
         self.clients: set[bytes] = set()
+        # Requests accepted by the socket thread and not finished yet (queued, waiting or running):
+        # the socket thread refuses new ones at max_pending_requests.
+        self.pending_lock = threading.Lock()
+        self.num_pending = 0
         self.stopping = threading.Event()
         self.utilities: dict[str, Callable[..., Any]] = {
             "get_engine_info": self.get_engine_info,
@@ -245,14 +306,26 @@ class EngineCoreProc(EngineCore):
             "log_stats": self.log_stats,
             "reset_prefix_cache": self.reset_prefix_cache,
         }
+        self.peers: set[bytes] = set()  # identities heard from (the socket thread's)
+        self.log_dropped = RateLimitedLog(logging.WARNING)
+        self.log_rejected = RateLimitedLog(logging.WARNING)
         self.ctx = zmq.Context()
+        self.authenticator = None
         bound = threading.Event()
+        self.bind_error: BaseException | None = None
         self.input_thread = threading.Thread(target=self._serve_socket, args=(bound,), name="input", daemon=True)
         self.output_thread = threading.Thread(target=self._encode_outputs, name="output", daemon=True)
         self.input_thread.start()
         self.output_thread.start()
         bound.wait()
-        logger.info("EngineCore serving at %s", address)
+        if self.bind_error is not None:
+            self.stopping.set()
+            self.output_queue.put(None)
+            self.ctx.destroy(linger=0)
+            self.shutdown()
+            raise self.bind_error
+        logger.info("EngineCore serving at %s (%s)", address,
+                    "CURVE: only frontends with the engine key" if self.curve_keys else "no engine key")
 
     # -- the busy loop ---------------------------------------------------------------------------
 
@@ -275,6 +348,8 @@ class EngineCoreProc(EngineCore):
             self.output_thread.join(timeout=5)
             self.stopping.set()
             self.input_thread.join(timeout=5)
+            if self.authenticator is not None:
+                self.authenticator.stop()
             self.ctx.destroy(linger=0)
             remove_ipc_file(self.address)
             self.shutdown()
@@ -295,18 +370,32 @@ class EngineCoreProc(EngineCore):
             block = False
 
     def _handle(self, identity: bytes, message: Any) -> None:
+        """One message the socket thread decoded (and, for a request, validated and admitted)."""
+        if message is _CLIENT_GONE:
+            self._forget_client(identity)
+            return
         self.clients.add(identity)
         if isinstance(message, EngineCoreRequest):
-            self.request_owner[message.request_id] = identity
+            request_id = message.request_id
+            if request_id in self.request_owner:  # live: the id must not be taken from its owner
+                self._release_pending(1)
+                self._refuse(identity, request_id, ERROR_INVALID,
+                             f"request id {request_id!r} is already in use by a live request; give each its own id.")
+                return
+            self.request_owner[request_id] = identity
+            self.client_requests.setdefault(identity, set()).add(request_id)
             try:
                 self.add_request(message)
-            except Exception as e:  # frontends validate first; whatever slips through fails alone
-                if isinstance(e, ValueError):  # a bad request (e.g. too long for the KV cache)
-                    logger.error("rejected request %s: %s", message.request_id, e)
+            except Exception as e:  # validated already; whatever still fails, fails alone
+                if isinstance(e, ValueError):
+                    self.log_rejected("rejected request %s: %s", request_id, e)
                 else:
-                    logger.exception("rejected request %s", message.request_id)
-                self._send_outputs([EngineCoreOutput(message.request_id, [], finish_reason=FINISH_ABORT)])
+                    logger.exception("rejected request %s", request_id)
+                self._send_outputs([EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT,
+                                                     error_type=ERROR_INVALID, error=str(e))])
         elif isinstance(message, AbortRequests):
+            # Finished and unknown ids are ignored. Not only the sending connection's own: a
+            # frontend aborts through a second connection while another thread holds its first.
             outputs = self.abort_requests(message.request_ids)
             if outputs:
                 self._send_outputs(outputs)
@@ -316,52 +405,209 @@ class EngineCoreProc(EngineCore):
             logger.info("shutdown requested")
             self.stopping.set()
 
+    def _forget_client(self, identity: bytes) -> None:
+        """A frontend vanished without detaching: abort its requests (freeing their blocks)."""
+        self.clients.discard(identity)
+        request_ids = self.client_requests.get(identity, set())
+        if request_ids:
+            outputs = self.abort_requests(list(request_ids))
+            self._send_outputs(outputs, deliver=False)
+            logger.warning("a frontend disconnected without detaching: aborted its %d request(s)", len(outputs))
+        self.client_requests.pop(identity, None)
+
+    def _refuse(self, identity: bytes, request_id: str, error_type: str, error: str) -> None:
+        out = EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT, error_type=error_type, error=error)
+        self.output_queue.put((identity, EngineCoreOutputs(outputs=[out])))
+
+    def _release_pending(self, count: int) -> None:
+        with self.pending_lock:
+            self.num_pending -= count
+
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         fn = self.utilities.get(call.method)
         if fn is None:
-            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}; "
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r:.100}; "
                                  f"allowed: {', '.join(self.utilities)}")
         try:
             return UtilityResult(call.call_id, result=fn(*call.args))
         except Exception as e:  # a bad utility call must not take the engine down
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
-    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    def _send_outputs(self, outputs: list[EngineCoreOutput], deliver: bool = True) -> None:
         by_client: dict[bytes, list[EngineCoreOutput]] = {}
+        finished = 0
         for out in outputs:
             owner = self.request_owner.get(out.request_id)
-            if out.finish_reason is not None:
-                self.request_owner.pop(out.request_id, None)
-            if owner is not None:
+            if out.finish_reason is not None and owner is not None:
+                del self.request_owner[out.request_id]
+                owned = self.client_requests.get(owner)
+                if owned is not None:
+                    owned.discard(out.request_id)
+                    if not owned:
+                        del self.client_requests[owner]
+                finished += 1
+            if owner is not None and deliver:
                 by_client.setdefault(owner, []).append(out)
+        if finished:
+            self._release_pending(finished)
         for owner, outs in by_client.items():
             self.output_queue.put((owner, EngineCoreOutputs(outputs=outs)))
 
     # -- the I/O threads -------------------------------------------------------------------------
 
-    def _serve_socket(self, bound: threading.Event) -> None:
-        """Own the ROUTER socket: decode what frontends send, forward what the output thread encoded."""
+    def _max_message_bytes(self) -> int:
+        """The largest message a valid request can need (a prompt of max_model_len tokens, a
+        logit_bias over the whole vocabulary, ...) with room to spare; ZMQ drops peers that send more."""
+        return (1 << 20) + 9 * self.config.max_model_len + 40 * self.config.vocab_size
+
+    def _make_router(self) -> tuple[zmq.Socket, zmq.Socket]:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
+        # Sending to a peer that is gone raises EHOSTUNREACH instead of vanishing silently: how the
+        # socket thread learns which frontend disconnected (ZMQ has no identity in its events).
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.RCVHWM, _RCVHWM)
+        router.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes())
+        # ZMTP heartbeats: a frontend that stops answering (a stopped process, a vanished host) is
+        # disconnected within seconds, like one whose process died.
+        router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        if self.curve_keys is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            allowed = self.curve_keys.client_public
+
+            class _OnlyOurClients:
+                def callback(self, domain: str, key: bytes) -> bool:
+                    return hmac.compare_digest(key, allowed)
+
+            self.authenticator = ThreadAuthenticator(self.ctx, log=logging.getLogger(f"{__name__}.auth"))
+            self.authenticator.start()
+            self.authenticator.configure_curve_callback("*", credentials_provider=_OnlyOurClients())
+            self.curve_keys.make_server(router)
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED_EVENTS)
         router.bind(self.address)
-        outbox = self.ctx.socket(zmq.PULL)
-        outbox.bind(_OUTBOX)
+        if self.address.startswith("ipc://"):  # only this user may connect
+            os.chmod(self.address[len("ipc://"):], 0o600)
+        return router, monitor
+
+    def _serve_socket(self, bound: threading.Event) -> None:
+        """Own the ROUTER socket: decode, check and admit what frontends send; forward what the
+        output thread encoded; notice frontends that are gone."""
+        try:
+            router, monitor = self._make_router()
+            outbox = self.ctx.socket(zmq.PULL)
+            outbox.bind(_OUTBOX)
+        except BaseException as e:  # e.g. the address is in use: the constructor raises it
+            self.bind_error = e
+            bound.set()
+            return
         bound.set()
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(outbox, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        probe_times: list[float] = []  # when to check which peers are still connected
         while not self.stopping.is_set() or outbox.poll(0):
             events = dict(poller.poll(100))
+            if monitor in events:
+                while monitor.poll(0):
+                    event = recv_monitor_message(monitor)["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        # Which peer? Ask them all, once the socket has dropped the pipe.
+                        now = time.monotonic()
+                        probe_times += [now + delay for delay in _PROBE_DELAYS_S]
+                    else:
+                        self.log_dropped("a peer failed the handshake (wrong or missing engine key?): %s",
+                                         _event_name(event))
             if router in events:
-                identity, payload = router.recv_multipart()
-                try:
-                    self.input_queue.put((identity, engine_input_decoder.decode(payload)))
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    logger.warning("dropped a malformed message from a frontend: %s", e)
+                for _ in range(_MAX_BATCH):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._receive_frames(router, frames)
             if outbox in events:
-                router.send_multipart(outbox.recv_multipart())
+                for _ in range(_MAX_BATCH):
+                    try:
+                        identity, payload = outbox.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._send_to(router, identity, payload)
+            if probe_times and min(probe_times) <= time.monotonic():
+                now = time.monotonic()
+                probe_times = [t for t in probe_times if t > now]
+                for identity in list(self.peers):
+                    self._send_to(router, identity, _EMPTY_OUTPUTS)
+        router.disable_monitor()
+        monitor.close(linger=0)
         router.close()
         outbox.close()
+
+    def _send_to(self, router: zmq.Socket, identity: bytes, payload: bytes) -> None:
+        try:
+            router.send_multipart([identity, payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # that frontend is gone
+                if identity in self.peers:
+                    self.peers.discard(identity)
+                    self._enqueue(identity, _CLIENT_GONE)
+            elif e.errno == zmq.EAGAIN:  # it stopped reading: dropping beats stalling everyone
+                self.log_dropped("a frontend is not reading its outputs; dropped a message for it")
+            else:
+                raise
+
+    def _enqueue(self, identity: bytes, message: Any) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.input_queue.put((identity, message), timeout=0.1)
+                return
+            except queue.Full:  # the busy loop drains it every step
+                continue
+
+    def _receive_frames(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        """One message off the socket: decode, check and admit it, or drop / answer it. Never raises
+        for what a peer sent."""
+        if len(frames) != 2:
+            self.log_dropped("dropped a message of %d frame(s) (frontends send 1)", len(frames) - 1)
+            return
+        identity, payload = frames
+        try:
+            message = engine_input_decoder.decode(payload)
+        except Exception as e:  # msgspec.DecodeError / ValidationError, or worse for hostile bytes
+            request_id = _salvage_request_id(payload)
+            if request_id is None:
+                self.log_dropped("dropped a message that does not decode: %.200s", e)
+            else:  # a request with wrong types or values: tell its sender
+                self.log_rejected("rejected request %.100s: %.200s", request_id, e)
+                self._answer_refused(router, identity, request_id, ERROR_INVALID, f"invalid request: {e}")
+            return
+        if isinstance(message, EngineCoreRequest):
+            try:
+                validate_request(message, self.limits, wire=True)
+            except ValueError as e:
+                self.log_rejected("rejected request %.100s: %s", message.request_id, e)
+                self._answer_refused(router, identity, message.request_id, ERROR_INVALID, str(e))
+                return
+            with self.pending_lock:
+                admitted = self.num_pending < self.config.max_pending_requests
+                if admitted:
+                    self.num_pending += 1
+            if not admitted:
+                self.log_rejected("refused request %.100s: overloaded (%d pending)", message.request_id,
+                                  self.config.max_pending_requests)
+                self._answer_refused(
+                    router, identity, message.request_id, ERROR_OVERLOADED,
+                    f"the engine is overloaded: it holds max_pending_requests={self.config.max_pending_requests} "
+                    "requests (running + waiting); retry later.")
+                return
+        self.peers.add(identity)
+        self._enqueue(identity, message)
+
+    def _answer_refused(self, router: zmq.Socket, identity: bytes, request_id: str, error_type: str,
+                        error: str) -> None:
+        out = EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT, error_type=error_type, error=error)
+        self._send_to(router, identity, encode(EngineCoreOutputs(outputs=[out])))
 
     def _encode_outputs(self) -> None:
         outbox = self.ctx.socket(zmq.PUSH)
@@ -372,9 +618,42 @@ class EngineCoreProc(EngineCore):
         outbox.close(linger=1000)
 
 
-def run_engine_core(config: EngineConfig, address: str) -> None:
+_INPUT_QUEUE_SIZE = 1024  # messages decoded and not yet handled by the busy loop
+_RCVHWM = 512  # messages ZMQ queues per frontend before pushing back on it
+_MAX_BATCH = 256  # messages handled per socket per poll, so no socket starves the others
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 5000
+# After a disconnect: when to check which peer it was (the socket drops the pipe a moment later).
+_PROBE_DELAYS_S = (0.02, 0.1, 0.25, 0.5, 1.0, 2.0)
+# An empty EngineCoreOutputs: what a liveness probe sends (frontends read it as nothing new).
+_EMPTY_OUTPUTS = encode(EngineCoreOutputs())
+_HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def _event_name(event: int) -> str:
+    return {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol / keys)",
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed (authentication)"}.get(event, f"event {event}")
+
+
+def _salvage_request_id(payload: bytes) -> str | None:
+    """The request id of an "add" message that failed typed decoding, if one can be read, so its
+    sender gets an answer instead of waiting forever."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except Exception:
+        return None
+    if isinstance(raw, dict) and raw.get("type") == "add":
+        request_id = raw.get("request_id")
+        if isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH + WIRE_REQUEST_ID_OVERHEAD:
+            return request_id
+    return None
+
+
+def run_engine_core(config: EngineConfig, address: str, engine_key: str | None = None, insecure: bool = False) -> None:
     """Start an EngineCore at `address` and serve until Shutdown, SIGTERM or SIGINT."""
-    engine = EngineCoreProc(config, address)
+    engine = EngineCoreProc(config, address, engine_key=engine_key, insecure=insecure)
 
     def stop(signum: int, _frame: Any) -> None:
         logger.info("received signal %d, shutting down", signum)

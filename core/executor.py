@@ -5,7 +5,9 @@ workers answer on one shared PULL socket. Only rank 0 returns sampled tokens (ev
 the same ones: see worker/models/parallel_layers.py). With several workers (tensor parallelism)
 the executor also picks the loopback address at which they form their torch.distributed group.
 While waiting for an answer the executor checks every second that its workers are still alive,
-so a dead worker becomes a WorkerDiedError within about a second instead of a hang.
+so a dead worker becomes a WorkerDiedError within about a second instead of a hang. A worker that
+hangs instead (a deadlock, a stuck device, a stopped process) is caught by the step watchdog: a
+step unanswered after config.execute_model_timeout_seconds becomes a WorkerHungError.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited or reported a failure; the engine cannot go on."""
 
 
+class WorkerHungError(WorkerDiedError):
+    """The step watchdog fired: the workers did not answer a step in time."""
+
+
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.tensor_parallel_size
+        self.step_timeout_s = config.execute_model_timeout_seconds
+        self.hung = False
         self.ctx = zmq.Context()
         self.result_address = new_ipc_address("worker-results")
         self.result_socket = self.ctx.socket(zmq.PULL)
@@ -84,7 +92,7 @@ class Executor:
 
     def receive_output(self) -> ModelRunnerOutput:
         """The sampled tokens of the oldest step submitted and not yet received."""
-        message = self._receive()
+        message = self._receive(self.step_timeout_s)
         if not isinstance(message, ModelRunnerOutput):
             raise WorkerDiedError(f"expected a model output from rank 0, got {type(message).__name__}")
         return message
@@ -98,9 +106,21 @@ class Executor:
             results[reply.rank] = reply.result
         return results
 
-    def _receive(self) -> ModelRunnerOutput | WorkerReply:
-        while not self.result_socket.poll(POLL_MS):
+    def _receive(self, timeout_s: float | None = None) -> ModelRunnerOutput | WorkerReply:
+        """The next message from the workers. timeout_s: the step watchdog (None: wait as long as
+        the workers live, e.g. while they load the model)."""
+        start = time.monotonic()
+        while not self.result_socket.poll(POLL_MS if timeout_s is None else min(POLL_MS, int(timeout_s * 1000) + 1)):
             self.check_alive()
+            waited = time.monotonic() - start
+            if timeout_s is not None and waited >= timeout_s:
+                self.hung = True
+                raise WorkerHungError(
+                    f"step watchdog: no answer from the workers after {waited:.1f} s (worker pids "
+                    f"{self.worker_pids} still running but not answering: a hang, a stuck device or a stopped "
+                    f"process); the engine shuts down. If steps legitimately take longer, raise "
+                    f"--execute-model-timeout-seconds (now {timeout_s:g})."
+                )
         message = worker_output_decoder.decode(self.result_socket.recv())
         if isinstance(message, WorkerReply) and message.error is not None:
             self._blame_dead_sibling(message.rank)
@@ -136,7 +156,8 @@ class Executor:
                     pass
         # After a death the siblings may be stuck in a collective that never completes (NCCL waits
         # forever): give them a second to take the Shutdown, not the usual five.
-        timeout = 1.0 if any(proc.poll() is not None for proc in self.procs) else 5.0
+        # A hung worker will not take it at all.
+        timeout = 1.0 if self.hung or any(proc.poll() is not None for proc in self.procs) else 5.0
         for proc in self.procs:
             stop_child(proc, timeout=timeout)
         self.ctx.destroy(linger=0)

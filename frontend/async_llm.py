@@ -18,7 +18,7 @@ import weakref
 from collections.abc import AsyncGenerator, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from minivllm.frontend.core_client import AsyncEngineCoreClient, EngineDeadError
+from minivllm.frontend.core_client import AsyncEngineCoreClient, EngineDeadError, request_error
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.model_download import resolve_model
 from minivllm.frontend.output_processor import RequestState, fan_out, gather_stream_output
@@ -38,7 +38,8 @@ class AsyncLLM:
     model and **engine_kwargs: as for LLM (tokenizer, max_num_batched_tokens, max_num_seqs,
     block_size, num_gpu_blocks, max_model_len, device, dtype, seed, load_format,
     enable_prefix_caching, scheduling_policy, ...). engine_address: attach to an engine started
-    with `minivllm engine` instead of spawning one (engine_kwargs are then ignored).
+    with `minivllm engine` instead of spawning one (engine_kwargs are then ignored); engine_key:
+    that engine's secret, if it was started with one (default: $MINIVLLM_ENGINE_KEY).
 
     Build it anywhere; use it from one event loop at a time (a later asyncio.run may take over).
     """
@@ -49,10 +50,11 @@ class AsyncLLM:
         *,
         skip_tokenizer_init: bool = False,
         engine_address: str | None = None,
+        engine_key: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if engine_address is not None:
-            self.client = AsyncEngineCoreClient.attach(engine_address)
+            self.client = AsyncEngineCoreClient.attach(engine_address, engine_key=engine_key)
         else:
             # The engine processes only see HF directories: fetch / convert here, in the frontend.
             self.client = AsyncEngineCoreClient.spawn(EngineConfig.create(resolve_model(model), **engine_kwargs))
@@ -81,7 +83,9 @@ class AsyncLLM:
         abort(request_id) stops all n.
 
         Raises ValueError for bad input or a request_id already running (nothing reaches the
-        engine then), EngineDeadError if the engine dies meanwhile.
+        engine then) or for a request the engine refuses as invalid (its message),
+        EngineOverloadedError if the engine refuses it for load (it holds max_pending_requests;
+        other requests go on), EngineDeadError if the engine dies meanwhile.
         """
         if request_id in self.child_ids or self.client.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running; give each live request its own id.")
@@ -112,6 +116,8 @@ class AsyncLLM:
                 for item in items:
                     if isinstance(item, EngineDeadError):
                         raise EngineDeadError(str(item))  # one exception object per stream
+                    if (error := request_error(item)) is not None:
+                        raise error  # its siblings (n > 1) are aborted on the way out
                     state = children[item.request_id]
                     if state.completion.finished():  # later items (after a stop string) don't count
                         continue

@@ -50,6 +50,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pending-requests", type=int, default=4096,
                    help="most requests the engine holds (running + waiting); beyond it new requests are "
                         "refused as overloaded (HTTP 503 from `serve`) instead of queueing without bound")
+    g.add_argument("--execute-model-timeout-seconds", type=float, default=300.0,
+                   help="step watchdog: workers that answer no step for this long are declared hung and the "
+                        "engine shuts down with that reason (EngineDeadError) instead of hanging")
+
+
+def add_engine_key_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-key-file", default=None,
+                        help="file holding the engine's secret (at least 16 characters, readable only by you): "
+                             "only frontends with the same secret may connect (ZMQ CURVE). Default: the "
+                             "secret in $MINIVLLM_ENGINE_KEY, if set")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -62,6 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold, async_scheduling=args.async_scheduling,
         max_pending_requests=args.max_pending_requests,
+        execute_model_timeout_seconds=args.execute_model_timeout_seconds,
     )
 
 
@@ -74,7 +85,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
-    kwargs = {} if args.engine_address else engine_kwargs(args)
+    from minivllm.protocol.auth import resolve_engine_key
+
+    if args.engine_address:
+        kwargs = {"engine_key": resolve_engine_key(key_file=args.engine_key_file)}
+    else:
+        kwargs = engine_kwargs(args)
     with LLM(args.model, engine_address=args.engine_address, **kwargs) as llm:
         if not args.no_chat and has_chat_template(llm.get_tokenizer()):
             # Each prompt is a one-message conversation; the answer ends at the model's EOS.
@@ -106,10 +122,13 @@ def cmd_download(args: argparse.Namespace) -> int:
 def cmd_engine(args: argparse.Namespace) -> int:
     from minivllm.core.engine_core import run_engine_core
     from minivllm.frontend.model_download import resolve_model
+    from minivllm.protocol.auth import check_bind_allowed, resolve_engine_key
     from minivllm.protocol.config import EngineConfig
 
+    engine_key = resolve_engine_key(key_file=args.engine_key_file)
+    check_bind_allowed(args.address, engine_key, args.insecure)  # before fetching or loading anything
     config = EngineConfig.create(resolve_model(args.model), **engine_kwargs(args))
-    run_engine_core(config, args.address)
+    run_engine_core(config, args.address, engine_key=engine_key, insecure=args.insecure)
     return 0
 
 
@@ -131,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--engine-address", default=None,
                      help="attach to a running `minivllm engine` at this address instead of starting one")
+    add_engine_key_arg(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -146,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     eng.add_argument("--address", default=DEFAULT_ENGINE_ADDRESS,
                      help="ZMQ address to serve at (tcp://HOST:PORT or ipc://PATH); loopback unless you choose otherwise")
+    add_engine_key_arg(eng)
+    eng.add_argument("--insecure", action="store_true",
+                     help="allow a non-loopback --address without an engine key (anyone who reaches it may use it)")
     add_engine_args(eng)
     eng.set_defaults(func=cmd_engine)
 

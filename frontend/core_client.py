@@ -6,6 +6,10 @@ started with `minivllm engine` (any address). A dead engine turns into EngineDea
   - the engine said so (a worker died), or
   - the connection dropped (ZMQ heartbeats notice a silent peer within seconds).
 Request ids get a per-client prefix on the wire, so frontends sharing one engine never collide.
+An engine started with a key (`minivllm engine --engine-key-file`) accepts only clients holding
+the same key (engine_key=, or MINIVLLM_ENGINE_KEY): ZMQ CURVE, see protocol/auth.py. A failed
+handshake (no key, wrong key) is a clear ConnectionError, not a hang. A request the engine
+refuses comes back with an error (request_error): ValueError or EngineOverloadedError.
 
 Two transports share EngineCoreClientBase: EngineCoreClient (blocking, for LLM) and
 AsyncEngineCoreClient (asyncio, for AsyncLLM: one background task owns its socket and routes
@@ -34,6 +38,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
+from minivllm.protocol.auth import ENGINE_KEY_ENV, CurveKeys, resolve_engine_key
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import (
@@ -42,6 +47,7 @@ from minivllm.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    ERROR_OVERLOADED,
     Shutdown,
     UtilityCall,
     UtilityResult,
@@ -62,13 +68,35 @@ class EngineOverloadedError(RuntimeError):
     try again later. Other requests are unaffected."""
 
 
+def request_error(out: EngineCoreOutput) -> Exception | None:
+    """The error to raise for a request the engine refused (None if it did not): ValueError for
+    invalid values (the engine's message says which and the allowed range), EngineOverloadedError
+    when the engine held max_pending_requests already."""
+    if out.error_type is None:
+        return None
+    message = out.error or "the engine refused the request"
+    if out.error_type == ERROR_OVERLOADED:
+        return EngineOverloadedError(message)
+    return ValueError(message)
+
+
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the engine's key differs from ours",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the engine and this client disagree on using an engine key",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine rejected our key",
+}
+
+
 class EngineCoreClientBase:
     """What every transport to the EngineCore shares: the engine process (if spawned), the
     per-client request-id prefix, how the engine's messages are read, and when it counts as dead.
     Subclasses own the socket and say where outputs and utility results go."""
 
-    def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True) -> None:
+    def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True,
+                 engine_key: str | None = None) -> None:
         self.address = address
+        self.engine_key = engine_key
+        self.curve_keys = CurveKeys(engine_key) if engine_key is not None else None
         self.proc = proc  # set when the engine was spawned (by this client, or the one it serves)
         self.owns_engine = proc is not None and owns_engine  # stop it at shutdown
         self.dead_reason: str | None = None
@@ -85,7 +113,12 @@ class EngineCoreClientBase:
         # ZMTP heartbeats: a peer that stops answering is dropped, which the monitor reports.
         socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        if self.curve_keys is not None:
+            self.curve_keys.make_client(socket)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        for event in _HANDSHAKE_FAILED:
+            events |= event
+        monitor = socket.get_monitor_socket(events)
         socket.connect(self.address)
         return socket, monitor
 
@@ -114,6 +147,12 @@ class EngineCoreClientBase:
             self.connected = True
         elif event == zmq.EVENT_DISCONNECTED and self.connected:
             self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
+        elif event in _HANDSHAKE_FAILED:
+            keyed = "with an engine key" if self.curve_keys is not None else "without an engine key"
+            self._mark_dead(
+                f"could not authenticate with the engine at {self.address} ({_HANDSHAKE_FAILED[event]}; this "
+                f"client connects {keyed}): give the engine's key with engine_key=... or {ENGINE_KEY_ENV} "
+                "(the content of the engine's --engine-key-file).")
 
     def _check_alive(self) -> None:
         if self.dead_reason is None and self.proc is not None and self.proc.poll() is not None:
@@ -131,8 +170,9 @@ class EngineCoreClientBase:
 class EngineCoreClient(EngineCoreClientBase):
     """The blocking transport, for LLM: whichever thread calls in drives the socket."""
 
-    def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True) -> None:
-        super().__init__(address, proc, owns_engine)
+    def __init__(self, address: str, proc: subprocess.Popen | None = None, owns_engine: bool = True,
+                 engine_key: str | None = None) -> None:
+        super().__init__(address, proc, owns_engine, engine_key)
         self.ctx = zmq.Context()
         self.socket, self.monitor = self._connect(self.ctx)
         self.utility_results: dict[int, UtilityResult] = {}
@@ -159,14 +199,18 @@ class EngineCoreClient(EngineCoreClientBase):
         return client
 
     @classmethod
-    def attach(cls, address: str, timeout: float = 60.0) -> "EngineCoreClient":
-        """Connect to an EngineCore started elsewhere (`minivllm engine --address ...`)."""
-        client = cls(address)
+    def attach(cls, address: str, timeout: float = 60.0, engine_key: str | None = None) -> "EngineCoreClient":
+        """Connect to an EngineCore started elsewhere (`minivllm engine --address ...`).
+        engine_key: the engine's secret (default: $MINIVLLM_ENGINE_KEY, if set)."""
+        client = cls(address, engine_key=resolve_engine_key(key=engine_key))
         try:
             client.engine_info = client.call_utility("get_engine_info", type=EngineInfo, timeout=timeout)
         except TimeoutError:
             client.shutdown()
             raise ConnectionError(f"no minivllm engine answered at {address} within {timeout:.0f} s") from None
+        except EngineDeadError as e:  # e.g. the handshake failed: a wrong or missing key
+            client.shutdown()
+            raise ConnectionError(str(e)) from None
         return client
 
     # -- requests -------------------------------------------------------------------------------
@@ -223,7 +267,7 @@ class EngineCoreClient(EngineCoreClientBase):
         """The second connection, for calls while another thread holds the socket (hold side_lock)."""
         self._check_alive()
         if self.side_client is None:
-            self.side_client = EngineCoreClient(self.address, self.proc, owns_engine=False)
+            self.side_client = EngineCoreClient(self.address, self.proc, owns_engine=False, engine_key=self.engine_key)
         return self.side_client
 
     def _call_utility(self, method: str, args: tuple, type: Any, timeout: float | None) -> Any:
@@ -306,7 +350,7 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
     """
 
     def __init__(self, control: EngineCoreClient) -> None:
-        super().__init__(control.address, control.proc, control.owns_engine)
+        super().__init__(control.address, control.proc, control.owns_engine, control.engine_key)
         self.control = control
         self.engine_info = control.engine_info
         self.ctx = zmq.asyncio.Context()
@@ -323,8 +367,8 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         return cls(EngineCoreClient.spawn(config))
 
     @classmethod
-    def attach(cls, address: str, timeout: float = 60.0) -> "AsyncEngineCoreClient":
-        return cls(EngineCoreClient.attach(address, timeout))
+    def attach(cls, address: str, timeout: float = 60.0, engine_key: str | None = None) -> "AsyncEngineCoreClient":
+        return cls(EngineCoreClient.attach(address, timeout, engine_key=engine_key))
 
     # -- requests -------------------------------------------------------------------------------
 

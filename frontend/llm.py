@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from typing import Any, Sequence
 
@@ -13,12 +14,12 @@ from tqdm.auto import tqdm
 
 from minivllm.frontend.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from minivllm.frontend.chat import Conversation, as_conversations, render_chat_prompt
-from minivllm.frontend.core_client import EngineCoreClient
+from minivllm.frontend.core_client import EngineCoreClient, request_error
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.model_download import resolve_model
 from minivllm.frontend.output_processor import OutputProcessor, fan_out
 from minivllm.frontend.outputs import Logprob, RequestOutput
-from minivllm.protocol.config import DEFAULT_MAX_PENDING_REQUESTS, EngineConfig
+from minivllm.protocol.config import DEFAULT_EXECUTE_MODEL_TIMEOUT_S, DEFAULT_MAX_PENDING_REQUESTS, EngineConfig
 from minivllm.protocol.messages import EngineStats
 from minivllm.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -37,8 +38,13 @@ class LLM:
     scheduling_policy: "fcfs", "priority" (generate(..., priority=[...]); lower runs first), or
     "v0" (the pre-V1 scheduler: whole-prompt prefill steps, then decode steps; for comparison).
     long_prefill_token_threshold: most prompt tokens one request may run in one step (0: no cap).
-    max_pending_requests: most requests the engine holds (running + waiting) before it refuses new
-    ones with EngineOverloadedError.
+    max_pending_requests: most requests the engine holds (running + waiting) before it refuses
+    more as overloaded; generate() never sends more than that at once of its own, so a batch of
+    any size works (the rest go in as earlier ones finish).
+    execute_model_timeout_seconds: the step watchdog (workers that answer no step for this long
+    make the engine dead, with the reason).
+    engine_key: the secret of an engine started with --engine-key-file (for engine_address;
+    default: $MINIVLLM_ENGINE_KEY).
 
     generate() runs in one thread at a time; abort_request, get_unfinished_request_ids,
     get_stats, log_stats and reset_prefix_cache may be called from any thread, also while
@@ -68,10 +74,12 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         async_scheduling: bool = True,
         max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+        execute_model_timeout_seconds: float = DEFAULT_EXECUTE_MODEL_TIMEOUT_S,
         engine_address: str | None = None,
+        engine_key: str | None = None,
     ) -> None:
         if engine_address is not None:
-            self.client = EngineCoreClient.attach(engine_address)
+            self.client = EngineCoreClient.attach(engine_address, engine_key=engine_key)
         else:
             # The engine processes only see HF directories: fetch / convert here, in the frontend.
             model = resolve_model(model)
@@ -84,6 +92,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                 long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
                 max_pending_requests=max_pending_requests,
+                execute_model_timeout_seconds=execute_model_timeout_seconds,
             )
             self.client = EngineCoreClient.spawn(config)
         # Stop the engine when this object is collected or the interpreter exits.
@@ -109,6 +118,9 @@ class LLM:
 
         priority: one per prompt, for scheduling_policy="priority" (lower runs first).
         A request aborted meanwhile (abort_request) comes back with finish_reason "abort".
+        Raises ValueError for bad input (before anything is sent, or with the engine's message if
+        the engine refuses a request as invalid), EngineOverloadedError if the engine refuses one
+        for load (it is shared with other frontends that fill it), EngineDeadError if it dies.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -230,17 +242,30 @@ class LLM:
         output_processor = OutputProcessor(self.tokenizer)
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
+        # Never more of ours in the engine than it may hold: the rest go in as earlier ones finish.
+        window = max(1, self.engine_info.max_pending_requests)
+        unsent: deque = deque()
+        in_flight = 0
         try:
             for request, prompt_text in requests:
                 child_ids = output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
                                                          request.arrival_time, request.sampling_params)
                 if len(child_ids) > 1:
                     self.child_ids[request.request_id] = child_ids
-                for engine_request in fan_out(request):
-                    self.client.add_request(engine_request)
+                unsent.extend(fan_out(request))
             with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while output_processor.has_unfinished_requests():
-                    finished_outputs, stopped_here = output_processor.process_outputs(self.client.get_outputs())
+                    while unsent and in_flight < window:
+                        self.client.add_request(unsent.popleft())
+                        in_flight += 1
+                    outputs = self.client.get_outputs()
+                    for out in outputs:
+                        if out.finish_reason is None or out.request_id not in output_processor.requests:
+                            continue  # (or a late "abort" of an earlier generate's request)
+                        in_flight -= 1
+                        if (error := request_error(out)) is not None:
+                            raise error  # the rest of the batch is aborted below
+                    finished_outputs, stopped_here = output_processor.process_outputs(outputs)
                     if stopped_here:  # a stop string: the engine does not know to stop them
                         self.client.abort_requests(stopped_here)
                     for finished in finished_outputs:

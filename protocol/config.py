@@ -19,6 +19,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # once either way), and fewer, fuller steps finish prompts sooner: vLLM's offline default is larger too.
 DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_PENDING_REQUESTS = 4096
+# Step watchdog: seconds the workers may take to answer one step before the engine declares them
+# hung (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS has the same default).
+DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -56,6 +59,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # admission: most requests the engine holds (running + waiting) before it refuses new ones as
     # overloaded, so a flood cannot grow its queues (and memory) without bound
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS
+    # step watchdog: a step the workers do not answer within this many seconds makes the engine
+    # dead (EngineDeadError with the reason) instead of a silent hang
+    execute_model_timeout_seconds: float = DEFAULT_EXECUTE_MODEL_TIMEOUT_S
 
     @classmethod
     def create(
@@ -80,6 +86,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         enable_prefix_caching: bool = True,
         async_scheduling: bool = True,
         max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+        execute_model_timeout_seconds: float = DEFAULT_EXECUTE_MODEL_TIMEOUT_S,
     ) -> "EngineConfig":
         """Validate the user's arguments and fill in what the model's config decides."""
         if not os.path.isdir(model):
@@ -102,6 +109,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              "schedules whole prompts; leave it at 0 or use 'fcfs' / 'priority'.")
         _check_at_least("tensor_parallel_size", tensor_parallel_size, 1)
         _check_at_least("max_pending_requests", max_pending_requests, 1)
+        if (isinstance(execute_model_timeout_seconds, bool) or not isinstance(execute_model_timeout_seconds, (int, float))
+                or not execute_model_timeout_seconds > 0):
+            raise ValueError(f"execute_model_timeout_seconds must be a number > 0, got {execute_model_timeout_seconds!r}.")
         if num_gpu_blocks is not None:
             _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -158,6 +168,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             enable_prefix_caching=enable_prefix_caching,
             async_scheduling=async_scheduling,
             max_pending_requests=max_pending_requests,
+            execute_model_timeout_seconds=float(execute_model_timeout_seconds),
         )
 
 

@@ -12,6 +12,7 @@ import ctypes
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,9 +38,27 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
 
+def private_socket_dir() -> str:
+    """$TMPDIR/minivllm-<uid>: a directory only this user can enter (mode 0700), so no other local
+    user can connect to the Unix sockets in it. Made on first use; one that exists must be ours
+    and private, or we refuse to put sockets there."""
+    path = os.path.join(tempfile.gettempdir(), f"minivllm-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} exists but is not a directory owned by this user; remove it "
+                              "(minivllm keeps its private sockets there).")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
 def new_ipc_address(name: str) -> str:
-    """A fresh ipc:// address in the temp dir (a Unix socket: local only)."""
-    return f"ipc://{tempfile.gettempdir()}/minivllm-{name}-{uuid.uuid4().hex[:12]}"
+    """A fresh ipc:// address (a Unix socket: local only) in this user's private socket directory."""
+    return f"ipc://{private_socket_dir()}/{name}-{uuid.uuid4().hex[:12]}"
 
 
 def free_loopback_tcp_address() -> str:

@@ -59,6 +59,10 @@ FINISH_STOP = "stop"  # EOS or a stop token
 FINISH_LENGTH = "length"  # max_tokens or the model's maximum length
 FINISH_ABORT = "abort"
 
+# Why the engine refused a request (EngineCoreOutput.error_type); it then finishes as "abort".
+ERROR_INVALID = "invalid"  # its values failed validation (protocol/validation.py): ValueError
+ERROR_OVERLOADED = "overloaded"  # the engine holds max_pending_requests already: EngineOverloadedError
+
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
     """Log-probabilities (of the model's raw distribution) around one sampled token."""
@@ -89,6 +93,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
     # Once, with the first token, when the request asked for prompt_logprobs.
     prompt_logprobs: PromptLogprobs | None = None
+    # Set (with finish_reason "abort") when the engine refused the request: ERROR_* and its message.
+    error_type: str | None = None
+    error: str | None = None
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
@@ -120,6 +127,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     worker_pids: list[int]
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
+    max_pending_requests: int = 4096
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -6,7 +6,9 @@ from enum import IntEnum
 
 import msgspec
 
-MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default max_logprobs)
+from minivllm.protocol.validation import MAX_LOGPROBS, validate_sampling_params
+
+__all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams"]
 
 
 class RequestOutputKind(IntEnum):
@@ -18,7 +20,7 @@ class RequestOutputKind(IntEnum):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Per-request sampling settings. Invalid values raise ValueError at construction.
+    """Per-request sampling settings. Invalid values raise ValueError at construction (and decoding).
 
     temperature 0 means greedy. top_k 0 or -1 means no top-k cut. max_tokens None means
     "until the model's maximum length". seed makes the request's samples reproducible
@@ -75,50 +77,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                              f"got {self.output_kind!r}.") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop is not None and (not all(isinstance(x, str) and x for x in self.stop)):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}.")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (both: off) or >= 1, got {self.top_k}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}.")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        if self.logit_bias is not None and any(t < 0 for t in self.logit_bias):
-            raise ValueError(f"logit_bias keys must be non-negative token ids, got {sorted(self.logit_bias)}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}.")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.prompt_logprobs}.")
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
-            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.")
-        if not self.detokenize and self.stop:
-            raise ValueError("stop strings need detokenize=True (without text there is nothing to match); "
-                             "use stop_token_ids.")
-        if self.allowed_token_ids is not None and (
-            not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
-        ):
-            raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids.")
+        # The ranges live in protocol/validation.py, shared with the engine's checks of its socket.
+        validate_sampling_params(self)
 
     @property
     def greedy(self) -> bool:
