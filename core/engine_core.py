@@ -467,6 +467,11 @@ class EngineCoreProc(EngineCore):
         # socket thread learns which frontend disconnected (ZMQ has no identity in its events).
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.RCVHWM, _RCVHWM)
+        # Outputs are never dropped: a live frontend that falls behind catches up, and one that
+        # stops answering is cut off by the heartbeats below (its requests aborted), which is what
+        # bounds this queue. (A send high-water mark would drop a slow frontend's tokens -- or
+        # the finish its generate() waits for.)
+        router.setsockopt(zmq.SNDHWM, 0)
         router.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes())
         # ZMTP heartbeats: a frontend that stops answering (a stopped process, a vanished host) is
         # disconnected within seconds, like one whose process died.
@@ -552,8 +557,6 @@ class EngineCoreProc(EngineCore):
                 if identity in self.peers:
                     self.peers.discard(identity)
                     self._enqueue(identity, _CLIENT_GONE)
-            elif e.errno == zmq.EAGAIN:  # it stopped reading: dropping beats stalling everyone
-                self.log_dropped("a frontend is not reading its outputs; dropped a message for it")
             else:
                 raise
 

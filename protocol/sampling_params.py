@@ -6,7 +6,7 @@ from enum import IntEnum
 
 import msgspec
 
-from minivllm.protocol.validation import MAX_LOGPROBS, validate_sampling_params
+from minivllm.protocol.validation import MAX_LOGPROBS, MIN_TEMPERATURE, validate_sampling_params
 
 __all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams"]
 
@@ -79,6 +79,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        # As vLLM: a temperature too small to divide logits by safely means greedy.
+        if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         # The ranges live in protocol/validation.py, shared with the engine's checks of its socket.
         validate_sampling_params(self)
 

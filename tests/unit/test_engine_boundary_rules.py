@@ -61,7 +61,6 @@ def test_a_valid_request_passes_and_limits_are_rechecked_after_changes() -> None
     (dict(n=129), r"n must be an integer in \[1, 128\]"),
     (dict(temperature=math.nan), "temperature must be a finite number"),
     (dict(temperature=math.inf), "temperature must be a finite number"),
-    (dict(temperature=1e-30), r"temperature must be 0 \(greedy\) or >= 1e-05"),
     (dict(top_k=2**40), r"top_k must be an integer in \[-1, 2147483647\]"),
     (dict(min_tokens=2**40, max_tokens=None), "min_tokens must be an integer in"),
     (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
@@ -135,3 +134,11 @@ def test_ipc_sockets_live_in_a_private_directory() -> None:
     path = private_socket_dir()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700 and os.stat(path).st_uid == os.getuid()
     assert new_ipc_address("engine").startswith(f"ipc://{path}/engine-")
+
+
+def test_a_temperature_too_small_to_divide_by_means_greedy() -> None:
+    """As in vLLM: 0 < temperature < 1e-5 is greedy (dividing logits by it would overflow)."""
+    from minivllm.protocol.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=1e-30).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
