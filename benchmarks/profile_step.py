@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the full-budget prefill step")
     args = parser.parse_args()
 
     block_size = 16
@@ -129,19 +130,20 @@ def main() -> None:
           f"(x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
 
     # A full-budget prefill step (fresh requests, whole chunks).
-    n = args.max_num_batched_tokens
-    metadata_args = dict(query_start_loc=np.array([0, n]), seq_lens=np.array([n]), max_query_len=n, max_seq_len=n)
-    from minivllm.worker.input_batch import StepInputs
+    if not args.no_prefill:
+        n = args.max_num_batched_tokens
+        metadata_args = dict(query_start_loc=np.array([0, n]), seq_lens=np.array([n]), max_query_len=n, max_seq_len=n)
+        from minivllm.worker.input_batch import StepInputs
 
-    pre = StepInputs(req_ids=["p"], input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n),
-                     slot_mapping=np.arange(n), block_table=np.arange(-(-n // block_size), dtype=np.int32)[None],
-                     logits_indices=np.array([n - 1]), sampling_req_index=np.array([0]), sampling_rows=np.array([0]),
-                     **metadata_args)
-    pm = runner.buffers.load(pre)
-    print(f"  prefill forward, {n} tokens, eager: "
-          f"{cuda_time_ms(lambda: runner._forward(runner.buffers.input_ids[:n], runner.buffers.positions[:n], pm), 5):.2f} ms")
-    if runner.graphs is not None:
-        print(f"  prefill forward, {n} tokens, graph: {cuda_time_ms(lambda: runner.graphs.run(pre), 5):.2f} ms")
+        pre = StepInputs(req_ids=["p"], input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n),
+                         slot_mapping=np.arange(n), block_table=np.arange(-(-n // block_size), dtype=np.int32)[None],
+                         logits_indices=np.array([n - 1]), sampling_req_index=np.array([0]), sampling_rows=np.array([0]),
+                         **metadata_args)
+        pm = runner.buffers.load(pre)
+        print(f"  prefill forward, {n} tokens, eager: "
+              f"{cuda_time_ms(lambda: runner._forward(runner.buffers.input_ids[:n], runner.buffers.positions[:n], pm), 5):.2f} ms")
+        if runner.graphs is not None:
+            print(f"  prefill forward, {n} tokens, graph: {cuda_time_ms(lambda: runner.graphs.run(pre), 5):.2f} ms")
 
     from torch.profiler import ProfilerActivity, profile
 

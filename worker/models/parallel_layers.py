@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.worker import cpu_gemm
+from minivllm.worker import cpu_gemm, small_batch_gemm
 from minivllm.worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
 
 # A torch tensor or a safetensors PySafeSlice: both index like a tensor; the slice reads only what
@@ -81,6 +81,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return cpu_gemm.linear(x, self.packed_weight, self.bias)
+        if small_batch_gemm.supports(x, self.weight):
+            return small_batch_gemm.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
@@ -115,6 +117,8 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.rank == 0 else None
         if self.packed_weight is not None:
             return all_reduce(cpu_gemm.linear(x, self.packed_weight, bias))
+        if small_batch_gemm.supports(x, self.weight):
+            return all_reduce(small_batch_gemm.linear(x, self.weight, bias))
         return all_reduce(F.linear(x, self.weight, bias))
 
     pack_for_cpu = ColumnParallelLinear.pack_for_cpu
