@@ -207,11 +207,21 @@ def test_dead_engine_raises_engine_dead_error_in_pending_streams(tiny_llama, vic
     async_llm = AsyncLLM(tiny_llama, max_model_len=512, max_num_batched_tokens=16)
     info = async_llm.engine_info
     pids = [info.engine_pid, *info.worker_pids]
-    long_job = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)  # many seconds of steps
+    # ~500 steps: about half a second for a tiny model on a fast CPU, so the kill comes as soon as
+    # every stream has its first token.
+    long_job = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    started = [asyncio.Event() for _ in range(8)]
+
+    async def consume(i: int) -> list:
+        outs = []
+        async for out in async_llm.generate("Hello", long_job, f"r{i}"):
+            started[i].set()
+            outs.append(out)
+        return outs
 
     async def main():
-        streams = [asyncio.create_task(collect(async_llm, "Hello", long_job, f"r{i}")) for i in range(8)]
-        await asyncio.sleep(1.0)
+        streams = [asyncio.create_task(consume(i)) for i in range(8)]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=60)
         os.kill(info.worker_pids[0] if victim == "worker" else info.engine_pid, signal.SIGKILL)
         start = time.monotonic()
         results = await asyncio.gather(*streams, return_exceptions=True)
