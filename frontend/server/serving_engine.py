@@ -180,15 +180,17 @@ class OpenAIServing:
               arrival: float) -> tuple[MergedStream, list[PromptRun]]:
         """Start every prompt of a request (engine ids "<request_id>-<i>"); returns the merged stream."""
         runs = [PromptRun(i, RequestTimer(self.metrics, arrival)) for i in range(len(prompts))]
-        streams = [self._timed(self.engine.generate(p, params, f"{request_id}-{i}", priority=priority), runs[i])
+        streams = [self._timed(self.engine.generate(p, params, f"{request_id}-{i}", priority=priority), runs[i],
+                               params.n)
                    for i, p in enumerate(prompts)]
         return MergedStream(streams), runs
 
-    async def _timed(self, stream: AsyncGenerator[RequestOutput, None],
-                     run: PromptRun) -> AsyncGenerator[RequestOutput, None]:
+    async def _timed(self, stream: AsyncGenerator[RequestOutput, None], run: PromptRun,
+                     n: int) -> AsyncGenerator[RequestOutput, None]:
         """Observe the prompt's metrics from its outputs as they pass (DELTA outputs)."""
         first = True
         totals: dict[int, int] = {}
+        finished: set[int] = set()
         try:
             async for output in stream:
                 now = time.monotonic()
@@ -203,10 +205,15 @@ class OpenAIServing:
                     totals[completion.index] = totals.get(completion.index, 0) + len(completion.token_ids)
                     run.timer.tokens(completion.index, len(completion.token_ids), now)
                     if completion.finish_reason is not None:
+                        finished.add(completion.index)
                         run.timer.finished(completion.index, completion.finish_reason, totals[completion.index], now)
                 yield output
         finally:
-            await stream.aclose()
+            await stream.aclose()  # aborts in the engine whatever has not finished
+            if not first:  # left early (client gone, shutdown timeout, error): those count as aborted
+                for index in range(n):
+                    if index not in finished:
+                        run.timer.finished(index, "abort", totals.get(index, 0))
 
     async def first_outputs(self, request: Request, merged: MergedStream,
                             num_prompts: int) -> list[tuple[int, RequestOutput]]:
