@@ -94,15 +94,21 @@ class PromptRun:
 
 
 class MergedStream:
-    """The engine streams of a request's prompts, pumped by one task each into one queue, so the
-    handler reads (prompt index, RequestOutput) pairs in arrival order. close() cancels the pumps,
-    which aborts whatever still runs in the engine and frees its KV blocks."""
+    """The engine streams of a request's prompts as one async iterator of (prompt index,
+    RequestOutput) pairs in arrival order. Several prompts are pumped by one task each into a
+    queue; a single prompt (the usual case) is read directly, without the extra hop. close()
+    stops them all, which aborts whatever still runs in the engine and frees its KV blocks."""
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.num_open = len(streams)
-        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+    def __init__(self, streams: list[AsyncGenerator[RequestOutput, None]]) -> None:
+        self.streams = streams
         self.closed = False
+        self.single = streams[0] if len(streams) == 1 else None
+        self.num_open = len(streams)
+        self.queue: asyncio.Queue | None = None
+        self.tasks: list[asyncio.Task] = []
+        if self.single is None:
+            self.queue = asyncio.Queue()
+            self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -115,7 +121,12 @@ class MergedStream:
             return
         self.queue.put_nowait((index, None))  # this prompt is done
 
-    async def __aiter__(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    def __aiter__(self) -> "MergedStream":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self.single is not None:
+            return 0, await self.single.__anext__()
         while self.num_open:
             index, item = await self.queue.get()
             if item is None:
@@ -123,7 +134,8 @@ class MergedStream:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            yield index, item
+            return index, item
+        raise StopAsyncIteration
 
     async def close(self) -> None:
         if self.closed:
@@ -132,6 +144,8 @@ class MergedStream:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for stream in self.streams:
+            await stream.aclose()
 
 
 class OpenAIServing:
@@ -222,10 +236,9 @@ class OpenAIServing:
 
         async def collect() -> list[tuple[int, RequestOutput]]:
             items, seen = [], set()
-            iterator = merged.__aiter__()
             while len(seen) < num_prompts:
                 try:
-                    index, output = await iterator.__anext__()
+                    index, output = await merged.__anext__()
                 except StopAsyncIteration:
                     break
                 items.append((index, output))
