@@ -199,8 +199,11 @@ def main() -> int:
               "total_wall_s": time.monotonic() - begin}
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(report, f, indent=2)
-    plot_results([unloaded, *loaded], os.path.join(args.out, "sweep.png"),
-                 f"minivllm serve: input {args.input_len}, output {args.output_len}")
+    try:
+        plot_results([unloaded, *loaded], os.path.join(args.out, "sweep.png"),
+                     f"minivllm serve: input {args.input_len}, output {args.output_len}")
+    except ImportError as e:  # no matplotlib on this machine: the JSON and the summary still count
+        print(f"no plot: {e}", flush=True)
 
     lines = [f"# minivllm serve: request-rate sweep ({os.path.basename(args.model.rstrip('/'))}, "
              f"{args.load_format} weights)", "",

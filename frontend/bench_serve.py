@@ -412,7 +412,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if plot is None and len(results) > 1 and args.json:
         plot = os.path.splitext(args.json)[0] + ".png"
     if plot:
-        plot_results(results, plot, f"{report['model']}: input {args.input_len}, output {args.output_len}")
+        try:
+            plot_results(results, plot, f"{report['model']}: input {args.input_len}, output {args.output_len}")
+        except ImportError as e:
+            logger.warning("no plot (%s): pip install matplotlib", e)
     if len(results) > 1:
         print(f"\n{'rate':>6} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
               f"{'TPOT p99':>9} {'ITL p99':>8}")
