@@ -329,7 +329,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = kinds.add_parser("throughput", help="offline throughput on a random-token workload",
@@ -359,3 +359,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     lat.add_argument("--json", default=None, help="save the results to this file")
     add_engine_args(lat)
     lat.set_defaults(func=cmd_latency)
+
+    from minivllm.frontend.bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(kinds)

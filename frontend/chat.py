@@ -33,8 +33,10 @@ def render_chat_prompt(
     conversation: Conversation,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The prompt (text and token ids) for one conversation.
+    """The prompt (text and token ids) for one conversation. chat_template_kwargs: extra
+    variables for the template (e.g. {"enable_thinking": False}).
 
     The rendered text already holds the model's special tokens (e.g. `<|im_start|>`), so it is
     encoded without adding special tokens again: a second BOS would change the model's output.
@@ -46,6 +48,6 @@ def render_chat_prompt(
                          "with a plain prompt.")
     text = tokenizer.apply_chat_template(
         list(conversation), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-        tokenize=False,
+        tokenize=False, **(chat_template_kwargs or {}),
     )
     return {"prompt": text, "prompt_token_ids": list(tokenizer(text, add_special_tokens=False).input_ids)}

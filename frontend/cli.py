@@ -1,5 +1,5 @@
-"""The `minivllm` command: `generate` answers, `download` the default model, or run an `engine`
-others attach to."""
+"""The `minivllm` command: `generate` answers, `download` the default model, run an `engine`
+others attach to, `serve` the OpenAI HTTP API, or `bench` it."""
 
 from __future__ import annotations
 
@@ -132,6 +132,12 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minivllm.frontend.server.api_server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description="A small LLM inference engine built like vLLM V1.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(eng)
     eng.set_defaults(func=cmd_engine)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, "
+                         "/v1/chat/completions, /metrics, ...)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    srv.add_argument("model_tag", nargs="?", default=None, help="the model, as --model (vLLM's `serve MODEL`)")
+    from minivllm.frontend.server.args import add_serve_args
+
+    add_serve_args(srv)
+    add_engine_args(srv)
+    add_engine_key_arg(srv)
+    srv.set_defaults(func=cmd_serve)
+
     from minivllm.frontend.bench import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
@@ -182,8 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "WARNING"),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if getattr(args, "model_tag", None) is not None:  # `minivllm serve MODEL`
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"minivllm: error: two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     if "MINIVLLM_LOG_LEVEL" not in os.environ:
-        if args.command == "engine":
+        if args.command in ("engine", "serve"):
             logging.getLogger().setLevel(logging.INFO)
         # Fetching / converting a model takes a while the first time: say what is happening.
         for name in ("minivllm.frontend.model_download", "minivllm.frontend.model_cache"):
@@ -198,3 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     except ModelCacheError as e:  # could not fetch / convert / cache the model: the message says what to do
         print(f"minivllm: error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
