@@ -84,10 +84,12 @@ def test_torch_sampler_matches_the_models_distribution(next_token_logits, temper
 def test_engine_samples_match_the_models_distribution(tiny_llama, next_token_logits) -> None:
     """Through the whole engine: each of n seeded completions draws its first token with its own
     generator. Fewer samples, so a coarser (still clearly failing) wrong temperature."""
-    temperature, num_samples = 0.4, 600
+    temperature, num_requests, n = 0.4, 5, 120  # 600 samples; n is capped at 128 (OpenAI's limit)
     with LLM(tiny_llama, max_model_len=64, max_num_seqs=256) as llm:
-        out = llm.generate(PROMPT, SamplingParams(n=num_samples, temperature=temperature, seed=7, max_tokens=1),
-                           use_tqdm=False)[0]
-    first_tokens = torch.tensor([c.token_ids[0] for c in out.outputs])
+        # child k of a seeded request draws with seed + k: seeds n apart keep all 600 draws independent
+        params = [SamplingParams(n=n, temperature=temperature, seed=7 + n * i, max_tokens=1) for i in range(num_requests)]
+        outs = llm.generate([PROMPT] * num_requests, params, use_tqdm=False)
+    first_tokens = torch.tensor([c.token_ids[0] for out in outs for c in out.outputs])
+    assert len(first_tokens) == num_requests * n
     counts = torch.bincount(first_tokens, minlength=next_token_logits.shape[0])
     check_fits(counts, next_token_logits, temperature, 1.0, wrong_temperature=0.6)

@@ -75,7 +75,7 @@ def test_prompt_logprobs_of_n_completions_and_streams_validation(llm) -> None:
                        use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
     for bad in (-1, MAX_LOGPROBS + 1):
-        with pytest.raises(ValueError, match=rf"prompt_logprobs must be in \[0, {MAX_LOGPROBS}\]"):
+        with pytest.raises(ValueError, match=rf"prompt_logprobs must be an integer in \[0, {MAX_LOGPROBS}\]"):
             SamplingParams(prompt_logprobs=bad)
 
 

@@ -160,5 +160,5 @@ def test_n_completions_share_the_prompt_and_reproduce(llm) -> None:
     greedy = llm.generate(prompt, SamplingParams(n=2, temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
     assert llm.get_stats().num_running_reqs == 0
-    with pytest.raises(ValueError, match="n must be >= 1"):
+    with pytest.raises(ValueError, match=r"n must be an integer in \[1, 128\]"):
         SamplingParams(n=0)
