@@ -14,6 +14,8 @@ everything bigger stays on cuBLAS, which is compute-efficient there.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -22,6 +24,7 @@ try:
 except ImportError:  # CPU-only torch builds
     triton = None
 
+ENABLED = os.environ.get("MINIVLLM_SMALL_BATCH_GEMM", "1") != "0"  # "0": cuBLAS for every row count
 MAX_ROWS = 1  # from 2 rows on, cuBLAS's tensor-core tiles are as fast (benchmarks/small_batch_gemm.py)
 _MIN_PROGRAMS = 1024  # ~8 per multiprocessor on an H100 (132): enough loads in flight
 _WEIGHTS_PER_CHUNK = 4096  # weights one program loads per loop step (BLOCK_N x BLOCK_K)
@@ -29,7 +32,7 @@ _NUM_WARPS = 4
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
             and x.stride(1) == 1 and weight.is_contiguous() and weight.shape[1] % 8 == 0)
 
