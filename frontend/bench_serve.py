@@ -8,7 +8,7 @@ after the first (TPOT), the gaps between streamed chunks (ITL) and end-to-end la
 overall: request and token throughput, and goodput (requests/s meeting every --goodput SLO).
 
 Only plain OpenAI HTTP is spoken (plus vLLM's ignore_eos), so it measures a vLLM server as well.
-The HTTP client is a small asyncio one (HTTP/1.1, one connection per request): nothing to install.
+The HTTP client is aiohttp, as in vLLM's benchmark.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import json
 import logging
 import math
 import os
-import ssl
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 
+import aiohttp
 import numpy as np
 
 from minivllm.frontend.bench import make_workload
@@ -39,82 +38,16 @@ class HTTPError(Exception):
         self.status = status
 
 
-# ---------------------------------------------------------------- a minimal asyncio HTTP/1.1 client
+def client_session() -> aiohttp.ClientSession:
+    """An HTTP session without a connection cap (--max-concurrency is the only limit) or a total
+    timeout (a long generation at a high rate may take minutes)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=60))
 
 
-async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]):
-    """The response body's bytes as they arrive (chunked, Content-Length, or up to EOF)."""
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                await reader.readline()
-                return
-            yield await reader.readexactly(size)
-            await reader.readexactly(2)  # CRLF after each chunk
-    elif "content-length" in headers:
-        remaining = int(headers["content-length"])
-        while remaining:
-            piece = await reader.read(min(remaining, 65536))
-            if not piece:
-                raise ConnectionError("the connection closed before the body's end")
-            remaining -= len(piece)
-            yield piece
-    else:
-        while piece := await reader.read(65536):
-            yield piece
-
-
-class HTTPResponse:
-    def __init__(self, status: int, headers: dict[str, str], reader, writer) -> None:
-        self.status, self.headers, self.reader, self.writer = status, headers, reader, writer
-
-    def chunks(self):
-        return _read_body(self.reader, self.headers)
-
-    async def text(self) -> str:
-        return b"".join([piece async for piece in self.chunks()]).decode("utf-8", "replace")
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-async def http_request(url: str, method: str = "GET", body: dict | None = None,
-                       headers: dict[str, str] | None = None) -> HTTPResponse:
-    """Open a connection, send one request, read the status line and headers."""
-    parts = urllib.parse.urlsplit(url)
-    secure = parts.scheme == "https"
-    port = parts.port or (443 if secure else 80)
-    reader, writer = await asyncio.open_connection(parts.hostname, port,
-                                                   ssl=ssl.create_default_context() if secure else None,
-                                                   limit=2**24)
-    payload = b"" if body is None else json.dumps(body).encode()
-    path = parts.path + (f"?{parts.query}" if parts.query else "")
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close",
-             "Accept: */*", f"Content-Length: {len(payload)}"]
-    if body is not None:
-        lines.append("Content-Type: application/json")
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
-    await writer.drain()
-    status_line = await reader.readline()
-    if not status_line:
-        writer.close()
-        raise ConnectionError(f"{url}: the server closed the connection without answering")
-    status = int(status_line.split()[1])
-    response_headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        response_headers[name.strip().lower()] = value.strip()
-    return HTTPResponse(status, response_headers, reader, writer)
-
-
-async def get_json(url: str, headers: dict[str, str]) -> dict:
-    response = await http_request(url, "GET", headers=headers)
-    try:
+async def get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> dict:
+    async with session.get(url, headers=headers) as response:
         text = await response.text()
-    finally:
-        response.close()
     if response.status != 200:
         raise HTTPError(response.status, text)
     return json.loads(text)
@@ -140,7 +73,8 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def send_completion(url: str, headers: dict[str, str], body: dict, prompt_len: int) -> RequestResult:
+async def send_completion(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict,
+                          prompt_len: int) -> RequestResult:
     """One streamed completion, timed: TTFT at the first chunk carrying text or tokens, ITL between
     chunks; the token count from the usage chunk (or the chunks, if the server sends no usage)."""
     result = RequestResult(prompt_len)
@@ -148,13 +82,12 @@ async def send_completion(url: str, headers: dict[str, str], body: dict, prompt_
     last = start
     num_chunks = 0
     try:
-        response = await http_request(url, "POST", body, headers)
-        try:
+        async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return result
             buffer = b""
-            async for piece in response.chunks():
+            async for piece in response.content.iter_any():
                 buffer += piece
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
@@ -178,9 +111,7 @@ async def send_completion(url: str, headers: dict[str, str], body: dict, prompt_
                         last = now
                     if message.get("usage"):
                         result.output_tokens = message["usage"].get("completion_tokens", 0)
-        finally:
-            response.close()
-    except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.latency = last - start
@@ -240,20 +171,21 @@ async def run_at_rate(base_url: str, model: str, prompts: list[list[int]], outpu
         return {"model": model, "prompt": prompts[i], "max_tokens": output_lens[i], "temperature": temperature,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
-    async def one(i: int) -> RequestResult:
+    async def one(session: aiohttp.ClientSession, i: int) -> RequestResult:
         if semaphore is None:
-            return await send_completion(url, headers, body(i), len(prompts[i]))
+            return await send_completion(session, url, headers, body(i), len(prompts[i]))
         async with semaphore:
-            return await send_completion(url, headers, body(i), len(prompts[i]))
+            return await send_completion(session, url, headers, body(i), len(prompts[i]))
 
-    start = time.perf_counter()
-    tasks = []
-    for i in range(len(prompts)):
-        tasks.append(asyncio.ensure_future(one(i)))
-        if math.isfinite(request_rate) and i + 1 < len(prompts):
-            await asyncio.sleep(rng.exponential(1.0 / request_rate))
-    results: list[RequestResult] = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
+    async with client_session() as session:
+        start = time.perf_counter()
+        tasks = []
+        for i in range(len(prompts)):
+            tasks.append(asyncio.ensure_future(one(session, i)))
+            if math.isfinite(request_rate) and i + 1 < len(prompts):
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        results: list[RequestResult] = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
     return summarize(results, duration, request_rate, max_concurrency, goodput or {})
 
 
@@ -349,7 +281,8 @@ def plot_results(results: list[dict], path: str, title: str = "") -> None:
 async def resolve_model(base_url: str, api_key: str | None) -> tuple[str, str | None]:
     """The first model /v1/models lists, and its root (its path, on vLLM and minivllm servers)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    models = (await get_json(base_url.rstrip("/") + "/v1/models", headers))["data"]
+    async with client_session() as session:
+        models = (await get_json(session, base_url.rstrip("/") + "/v1/models", headers))["data"]
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return models[0]["id"], models[0].get("root")
@@ -384,9 +317,10 @@ async def bench_serve(args: argparse.Namespace) -> list[dict]:
     # One short request first: a wrong URL, key or model fails here, before anything is measured.
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    probe = await send_completion(url, headers, {
-        "model": model, "prompt": workload.prompts[0][:16], "max_tokens": 2, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}, 16)
+    async with client_session() as session:
+        probe = await send_completion(session, url, headers, {
+            "model": model, "prompt": workload.prompts[0][:16], "max_tokens": 2, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}, 16)
     if not probe.success:
         raise ValueError(f"the test request to {url} failed: {probe.error}")
     results = []
