@@ -34,7 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from minivllm.core.executor import Executor, WorkerDiedError
 from minivllm.core.scheduler import Scheduler
-from minivllm.protocol.auth import CurveKeys, check_bind_allowed
+from minivllm.protocol.auth import HANDSHAKE_FAILED_EVENTS, HANDSHAKE_FAILURES, CurveKeys, check_bind_allowed
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import remove_ipc_file
 from minivllm.protocol.messages import (
@@ -391,8 +391,7 @@ class EngineCoreProc(EngineCore):
                     self.log_rejected("rejected request %s: %s", request_id, e)
                 else:
                     logger.exception("rejected request %s", request_id)
-                self._send_outputs([EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT,
-                                                     error_type=ERROR_INVALID, error=str(e))])
+                self._send_outputs([refusal(request_id, ERROR_INVALID, str(e))])
         elif isinstance(message, AbortRequests):
             # Finished and unknown ids are ignored. Not only the sending connection's own: a
             # frontend aborts through a second connection while another thread holds its first.
@@ -416,8 +415,7 @@ class EngineCoreProc(EngineCore):
         self.client_requests.pop(identity, None)
 
     def _refuse(self, identity: bytes, request_id: str, error_type: str, error: str) -> None:
-        out = EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT, error_type=error_type, error=error)
-        self.output_queue.put((identity, EngineCoreOutputs(outputs=[out])))
+        self.output_queue.put((identity, EngineCoreOutputs(outputs=[refusal(request_id, error_type, error)])))
 
     def _release_pending(self, count: int) -> None:
         with self.pending_lock:
@@ -490,7 +488,7 @@ class EngineCoreProc(EngineCore):
             self.authenticator.start()
             self.authenticator.configure_curve_callback("*", credentials_provider=_OnlyOurClients())
             self.curve_keys.make_server(router)
-        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED_EVENTS)
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
         router.bind(self.address)
         if self.address.startswith("ipc://"):  # only this user may connect
             os.chmod(self.address[len("ipc://"):], 0o600)
@@ -524,7 +522,7 @@ class EngineCoreProc(EngineCore):
                         probe_times += [now + delay for delay in _PROBE_DELAYS_S]
                     else:
                         self.log_dropped("a peer failed the handshake (wrong or missing engine key?): %s",
-                                         _event_name(event))
+                                         HANDSHAKE_FAILURES.get(event, f"event {event}"))
             if router in events:
                 for _ in range(_MAX_BATCH):
                     try:
@@ -609,8 +607,7 @@ class EngineCoreProc(EngineCore):
 
     def _answer_refused(self, router: zmq.Socket, identity: bytes, request_id: str, error_type: str,
                         error: str) -> None:
-        out = EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT, error_type=error_type, error=error)
-        self._send_to(router, identity, encode(EngineCoreOutputs(outputs=[out])))
+        self._send_to(router, identity, encode(EngineCoreOutputs(outputs=[refusal(request_id, error_type, error)])))
 
     def _encode_outputs(self) -> None:
         outbox = self.ctx.socket(zmq.PUSH)
@@ -630,14 +627,11 @@ _HEARTBEAT_TIMEOUT_MS = 5000
 _PROBE_DELAYS_S = (0.02, 0.1, 0.25, 0.5, 1.0, 2.0)
 # An empty EngineCoreOutputs: what a liveness probe sends (frontends read it as nothing new).
 _EMPTY_OUTPUTS = encode(EngineCoreOutputs())
-_HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-def _event_name(event: int) -> str:
-    return {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol / keys)",
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake failed (authentication)"}.get(event, f"event {event}")
+def refusal(request_id: str, error_type: str, error: str) -> EngineCoreOutput:
+    """The one output of a request the engine refused (ERROR_*): finished as "abort", with why."""
+    return EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT, error_type=error_type, error=error)
 
 
 def _salvage_request_id(payload: bytes) -> str | None:

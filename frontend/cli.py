@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from minivllm.protocol.config import DEFAULT_EXECUTE_MODEL_TIMEOUT_S, DEFAULT_MAX_PENDING_REQUESTS
+
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5570"
 
 
@@ -47,10 +49,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one request may run in one step (0: no cap)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule the next step while the workers run the current one")
-    g.add_argument("--max-pending-requests", type=int, default=4096,
+    g.add_argument("--max-pending-requests", type=int, default=DEFAULT_MAX_PENDING_REQUESTS,
                    help="most requests the engine holds (running + waiting); beyond it new requests are "
                         "refused as overloaded (HTTP 503 from `serve`) instead of queueing without bound")
-    g.add_argument("--execute-model-timeout-seconds", type=float, default=300.0,
+    g.add_argument("--execute-model-timeout-seconds", type=float, default=DEFAULT_EXECUTE_MODEL_TIMEOUT_S,
                    help="step watchdog: workers that answer no step for this long are declared hung and the "
                         "engine shuts down with that reason (EngineDeadError) instead of hanging")
 

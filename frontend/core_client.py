@@ -38,7 +38,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from minivllm.protocol.auth import ENGINE_KEY_ENV, CurveKeys, resolve_engine_key
+from minivllm.protocol.auth import ENGINE_KEY_ENV, HANDSHAKE_FAILED_EVENTS, HANDSHAKE_FAILURES, CurveKeys, resolve_engine_key
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import (
@@ -80,11 +80,6 @@ def request_error(out: EngineCoreOutput) -> Exception | None:
     return ValueError(message)
 
 
-_HANDSHAKE_FAILED = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the engine's key differs from ours",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the engine and this client disagree on using an engine key",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine rejected our key",
-}
 
 
 class EngineCoreClientBase:
@@ -115,10 +110,8 @@ class EngineCoreClientBase:
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self.curve_keys is not None:
             self.curve_keys.make_client(socket)
-        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        for event in _HANDSHAKE_FAILED:
-            events |= event
-        monitor = socket.get_monitor_socket(events)
+        monitor = socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
         socket.connect(self.address)
         return socket, monitor
 
@@ -147,10 +140,10 @@ class EngineCoreClientBase:
             self.connected = True
         elif event == zmq.EVENT_DISCONNECTED and self.connected:
             self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
-        elif event in _HANDSHAKE_FAILED:
+        elif event in HANDSHAKE_FAILURES:
             keyed = "with an engine key" if self.curve_keys is not None else "without an engine key"
             self._mark_dead(
-                f"could not authenticate with the engine at {self.address} ({_HANDSHAKE_FAILED[event]}; this "
+                f"could not authenticate with the engine at {self.address} ({HANDSHAKE_FAILURES[event]}; this "
                 f"client connects {keyed}): give the engine's key with engine_key=... or {ENGINE_KEY_ENV} "
                 "(the content of the engine's --engine-key-file).")
 

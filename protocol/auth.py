@@ -15,7 +15,17 @@ import ipaddress
 import os
 import stat
 
+import zmq
+
 ENGINE_KEY_ENV = "MINIVLLM_ENGINE_KEY"
+# The ZMQ monitor events of a failed CURVE handshake, as both ends explain them.
+HANDSHAKE_FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the two ends' keys differ",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "one end uses an engine key and the other does not",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine rejected the client's key",
+}
+HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 MIN_SECRET_LENGTH = 16
 _SERVER_LABEL = b"minivllm engine server key\0"
 _CLIENT_LABEL = b"minivllm engine client key\0"
@@ -25,7 +35,6 @@ class CurveKeys:
     """The two keypairs derived from one secret, z85-encoded as pyzmq's options take them."""
 
     def __init__(self, secret: str) -> None:
-        import zmq
         from zmq.utils import z85
 
         if not isinstance(secret, str) or len(secret.strip()) < MIN_SECRET_LENGTH:

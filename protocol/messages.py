@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from minivllm.protocol.config import DEFAULT_MAX_PENDING_REQUESTS
 from minivllm.protocol.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- frontend -> EngineCore
@@ -127,7 +128,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     worker_pids: list[int]
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
-    max_pending_requests: int = 4096
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
