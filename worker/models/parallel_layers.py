@@ -51,6 +51,18 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def projection(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               packed_weight: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T + b for a projection layer, on the path that suits it: oneDNN's packed weight on
+    the CPU (worker/cpu_gemm.py), the one-row kernel for a single row on CUDA
+    (worker/small_batch_gemm.py), else F.linear."""
+    if packed_weight is not None:
+        return cpu_gemm.linear(x, packed_weight, bias)
+    if small_batch_gemm.supports(x, weight):
+        return small_batch_gemm.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ShardSpec(NamedTuple):
     """One checkpoint projection inside a column-parallel layer: this rank takes rows
     [index * local_size, (index + 1) * local_size) of a checkpoint tensor of full_size rows.
@@ -79,11 +91,7 @@ class ColumnParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # set by pack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return cpu_gemm.linear(x, self.packed_weight, self.bias)
-        if small_batch_gemm.supports(x, self.weight):
-            return small_batch_gemm.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return projection(x, self.weight, self.bias, self.packed_weight)
 
     def pack_for_cpu(self) -> None:
         """Run on oneDNN's packed copy of the weight from now on (see worker/cpu_gemm.py); the
@@ -114,12 +122,7 @@ class RowParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # set by pack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.rank == 0 else None
-        if self.packed_weight is not None:
-            return all_reduce(cpu_gemm.linear(x, self.packed_weight, bias))
-        if small_batch_gemm.supports(x, self.weight):
-            return all_reduce(small_batch_gemm.linear(x, self.weight, bias))
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(projection(x, self.weight, self.bias if self.rank == 0 else None, self.packed_weight))
 
     pack_for_cpu = ColumnParallelLinear.pack_for_cpu
 
