@@ -8,7 +8,13 @@ import logging
 import os
 import sys
 
-from minivllm.protocol.config import DEFAULT_EXECUTE_MODEL_TIMEOUT_S, DEFAULT_MAX_PENDING_REQUESTS
+from minivllm.protocol.config import (
+    DEFAULT_EXECUTE_MODEL_TIMEOUT_S,
+    DEFAULT_MAX_PENDING_REQUESTS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+)
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5570"
 
@@ -55,6 +61,36 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--execute-model-timeout-seconds", type=float, default=DEFAULT_EXECUTE_MODEL_TIMEOUT_S,
                    help="step watchdog: workers that answer no step for this long are declared hung and the "
                         "engine shuts down with that reason (EngineDeadError) instead of hanging")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type: auto (the model's dtype) or fp8 (fp8_e4m3 with scales)")
+
+    t = parser.add_argument_group("KV transfer")
+    t.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of pinned host memory for KV blocks evicted from the GPU (a CPU tier of the "
+                        "prefix cache) and for swapped-out requests")
+    t.add_argument("--preemption-mode", default=None, choices=list(PREEMPTION_MODES),
+                   help="what a preempted request's KV becomes: recompute (default) or swap (to host memory "
+                        "and back; needs --kv-offloading-size)")
+    t.add_argument("--kv-transfer-config", default=None, type=_json_object,
+                   help='KV connector as JSON, vLLM\'s KVTransferConfig, e.g. \'{"kv_connector": ..., "kv_role": ...}\'')
+
+    d = parser.add_argument_group("distributed")
+    d.add_argument("--distributed-executor-backend", default="mp", choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+                   help="mp: worker processes on this machine; ray: Ray actors (joins a running cluster)")
+    d.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (each with its own tensor-parallel group) behind one frontend")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_key_arg(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +111,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold, async_scheduling=args.async_scheduling,
         max_pending_requests=args.max_pending_requests,
         execute_model_timeout_seconds=args.execute_model_timeout_seconds,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_offloading_size=args.kv_offloading_size,
+        preemption_mode=args.preemption_mode,
+        kv_transfer_config=args.kv_transfer_config,
+        distributed_executor_backend=args.distributed_executor_backend,
+        data_parallel_size=args.data_parallel_size,
     )
 
 

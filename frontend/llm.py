@@ -19,7 +19,7 @@ from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.model_download import resolve_model
 from minivllm.frontend.output_processor import OutputProcessor, fan_out
 from minivllm.frontend.outputs import Logprob, RequestOutput
-from minivllm.protocol.config import DEFAULT_EXECUTE_MODEL_TIMEOUT_S, DEFAULT_MAX_PENDING_REQUESTS, EngineConfig
+from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import EngineStats
 from minivllm.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -34,6 +34,10 @@ class LLM:
     SmolLM2-135M-Instruct (fetched from PyPI and converted on first use; see model_download).
     engine_address: attach to an engine started with `minivllm engine` instead of spawning one;
     the engine's own settings then apply and the other engine arguments here are ignored.
+    **engine_args: the engine's settings, as EngineConfig.create takes them (vLLM's names):
+    tokenizer, dtype, device, max_model_len, max_num_batched_tokens, max_num_seqs, block_size,
+    num_gpu_blocks, gpu_memory_utilization, enforce_eager, load_format, seed,
+    tensor_parallel_size, kv_cache_dtype, ...; an unknown name is a TypeError.
     enable_prefix_caching: reuse the KV of prompt prefixes already computed (on by default).
     scheduling_policy: "fcfs", "priority" (generate(..., priority=[...]); lower runs first), or
     "v0" (the pre-V1 scheduler: whole-prompt prefill steps, then decode steps; for comparison).
@@ -55,45 +59,16 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        tokenizer: str | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        block_size: int = 16,
-        num_gpu_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        max_model_len: int | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        seed: int = 0,
         skip_tokenizer_init: bool = False,
-        load_format: str = "auto",
-        tensor_parallel_size: int = 1,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
-        long_prefill_token_threshold: int = 0,
-        async_scheduling: bool = True,
-        max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
-        execute_model_timeout_seconds: float = DEFAULT_EXECUTE_MODEL_TIMEOUT_S,
         engine_address: str | None = None,
         engine_key: str | None = None,
+        **engine_args: Any,
     ) -> None:
         if engine_address is not None:
             self.client = EngineCoreClient.attach(engine_address, engine_key=engine_key)
         else:
             # The engine processes only see HF directories: fetch / convert here, in the frontend.
-            model = resolve_model(model)
-            config = EngineConfig.create(
-                model, tokenizer=tokenizer, dtype=dtype, device=device, load_format=load_format,
-                seed=seed, max_model_len=max_model_len, block_size=block_size,
-                num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
-                enforce_eager=enforce_eager, max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
-                enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
-                long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
-                max_pending_requests=max_pending_requests,
-                execute_model_timeout_seconds=execute_model_timeout_seconds,
-            )
+            config = EngineConfig.create(resolve_model(model), **engine_args)
             self.client = EngineCoreClient.spawn(config)
         # Stop the engine when this object is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.client.shutdown)

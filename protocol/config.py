@@ -22,6 +22,26 @@ DEFAULT_MAX_PENDING_REQUESTS = 4096
 # Step watchdog: seconds the workers may take to answer one step before the engine declares them
 # hung (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS has the same default).
 DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
+# KV cache element type (vLLM's kv_cache_dtype): auto = the model's dtype; fp8 = fp8_e4m3 with scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# What a preempted request's KV becomes: recomputed later, or swapped to host memory and back
+# (needs kv_offloading_size). None: recompute (vLLM's default).
+PREEMPTION_MODES = ("recompute", "swap")
+# How worker processes are started and placed: mp (local processes) or ray (actors).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# KV connector roles (vLLM's KVTransferConfig.kv_role).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+class KVTransferConfig(msgspec.Struct, kw_only=True):
+    """vLLM's KVTransferConfig: which KV connector moves KV in or out of this engine, and its role
+    (producer: a prefill instance; consumer: a decode instance; both)."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_extra_config: dict = {}
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -63,6 +83,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # dead (EngineDeadError with the reason) instead of a silent hang
     execute_model_timeout_seconds: float = DEFAULT_EXECUTE_MODEL_TIMEOUT_S
 
+    # --- KV cache precision (speed issue) ---
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+
+    # --- KV transfer: CPU offload tier, swap preemption, PD disaggregation ---
+    kv_offloading_size: float | None = None  # GiB of pinned host memory for evicted / swapped KV
+    preemption_mode: str | None = None  # one of PREEMPTION_MODES; None: recompute
+    kv_transfer_config: KVTransferConfig | None = None
+
+    # --- distributed execution ---
+    distributed_executor_backend: str = "mp"  # one of DISTRIBUTED_EXECUTOR_BACKENDS
+    data_parallel_size: int = 1  # engine cores behind one frontend, each with its own TP group
+
     @classmethod
     def create(
         cls,
@@ -87,6 +119,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         async_scheduling: bool = True,
         max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
         execute_model_timeout_seconds: float = DEFAULT_EXECUTE_MODEL_TIMEOUT_S,
+        kv_cache_dtype: str = "auto",
+        kv_offloading_size: float | None = None,
+        preemption_mode: str | None = None,
+        kv_transfer_config: KVTransferConfig | dict | None = None,
+        distributed_executor_backend: str = "mp",
+        data_parallel_size: int = 1,
     ) -> "EngineConfig":
         """Validate the user's arguments and fill in what the model's config decides."""
         if not os.path.isdir(model):
@@ -116,6 +154,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             _check_at_least("num_gpu_blocks", num_gpu_blocks, 1)
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+
+        _check_kv_cache_dtype(kv_cache_dtype)
+
+        kv_transfer_config = _check_kv_transfer(kv_offloading_size, preemption_mode, kv_transfer_config)
+
+        _check_distributed(distributed_executor_backend, data_parallel_size)
 
         from transformers import AutoConfig  # lazy: only the process that builds configs pays
 
@@ -169,7 +213,42 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             async_scheduling=async_scheduling,
             max_pending_requests=max_pending_requests,
             execute_model_timeout_seconds=float(execute_model_timeout_seconds),
+            kv_cache_dtype=kv_cache_dtype,
+            kv_offloading_size=None if kv_offloading_size is None else float(kv_offloading_size),
+            preemption_mode=preemption_mode,
+            kv_transfer_config=kv_transfer_config,
+            distributed_executor_backend=distributed_executor_backend,
+            data_parallel_size=data_parallel_size,
         )
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported yet; use 'auto'.")
+
+
+def _check_kv_transfer(kv_offloading_size: float | None, preemption_mode: str | None,
+                       kv_transfer_config: KVTransferConfig | dict | None) -> KVTransferConfig | None:
+    """Validate the KV transfer settings; a dict kv_transfer_config (as from JSON) becomes a KVTransferConfig."""
+    if kv_offloading_size is not None:
+        raise ValueError("kv_offloading_size is not supported yet; leave it unset.")
+    if preemption_mode is not None:
+        _check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+        if preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' is not supported yet; use 'recompute'.")
+    if kv_transfer_config is not None:
+        raise ValueError("kv_transfer_config is not supported yet; leave it unset.")
+    return None
+
+
+def _check_distributed(distributed_executor_backend: str, data_parallel_size: int) -> None:
+    _check_choice("distributed_executor_backend", distributed_executor_backend, DISTRIBUTED_EXECUTOR_BACKENDS)
+    if distributed_executor_backend != "mp":
+        raise ValueError(f"distributed_executor_backend={distributed_executor_backend!r} is not supported yet; use 'mp'.")
+    _check_at_least("data_parallel_size", data_parallel_size, 1)
+    if data_parallel_size != 1:
+        raise ValueError("data_parallel_size > 1 is not supported yet; use 1.")
 
 
 def _check_tensor_parallel_size(size: int, hf_config, device: str) -> None:
