@@ -34,6 +34,10 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     # Mixed into the prefix-cache hash of the first block: only requests with the same salt
     # share cached KV (so one tenant cannot probe another's prompts by timing).
     cache_salt: str | None = None
+    # KV transfer (vLLM's kv_transfer_params): what the configured KV connector needs to know about
+    # this request, e.g. {"do_remote_decode": true} on a prefill instance, or where to pull the
+    # prompt's KV from on a decode instance. Untrusted input: the connector validates it.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -97,6 +101,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Set (with finish_reason "abort") when the engine refused the request: ERROR_* and its message.
     error_type: str | None = None
     error: str | None = None
+    # With the last output, when the request's KV can be pulled by another instance (a prefill
+    # instance's answer): the kv_transfer_params a decode instance's request carries.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
