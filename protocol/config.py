@@ -22,7 +22,8 @@ DEFAULT_MAX_PENDING_REQUESTS = 4096
 # Step watchdog: seconds the workers may take to answer one step before the engine declares them
 # hung (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS has the same default).
 DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
-# KV cache element type (vLLM's kv_cache_dtype): auto = the model's dtype; fp8 = fp8_e4m3 with scales.
+# KV cache element type (vLLM's kv_cache_dtype): auto = the model's dtype; fp8 and fp8_e4m3 (the
+# same) = e4m3 with a scale per token and KV head (worker/attention/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # What a preempted request's KV becomes: recomputed later, or swapped to host memory and back
 # (needs kv_offloading_size). None: recompute (vLLM's default).
@@ -224,8 +225,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported yet; use 'auto'.")
 
 
 def _check_kv_transfer(kv_offloading_size: float | None, preemption_mode: str | None,

@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.input_batch import StepInputs
 
@@ -65,6 +66,7 @@ class StepBuffers:
         self.query_start_loc = zeros(max_seqs + 1, dtype=torch.int32)
         self.seq_lens = zeros(max_seqs, dtype=torch.int32)
         self.block_tables = zeros(max_seqs, max_blocks_per_req, dtype=torch.int32)
+        self.kv_layout: KVCacheLayout | None = None  # set by the model runner; told to the backends
 
     def load(self, step: StepInputs, padded_tokens: int | None = None, padded_seqs: int | None = None) -> AttentionMetadata:
         """Copy a step's host arrays in, padded (on the host) to a graph's bucket when given."""
@@ -98,6 +100,7 @@ class StepBuffers:
             slot_mapping=self.slot_mapping[:num_tokens],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            kv_layout=self.kv_layout,
         )
 
 

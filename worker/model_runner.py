@@ -29,7 +29,8 @@ import torch
 
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
-from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata, kv_cache_shape
+from minivllm.worker.attention.kv_cache import KVCacheLayout
+from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
 from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs
 from minivllm.worker.input_batch import InputBatch, StepInputs
 from minivllm.worker.logits_processors import apply_logits_processors
@@ -95,6 +96,8 @@ class ModelRunner:
 
         self.model = load_model(config, self.device, self.dtype, attn_backend=default_backend(self.device))
         logger.info("model loaded on %s (%s): %s", self.device, self.dtype, describe(self.model))
+        self.kv_layout = KVCacheLayout(config.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype,
+                                       fp8=config.kv_cache_dtype != "auto")
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.seed_rng = np.random.default_rng(config.seed)  # row seeds of the fused CUDA sampler
@@ -108,6 +111,7 @@ class ModelRunner:
             max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
             self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_req,
                                        self.device)
+            self.buffers.kv_layout = self.kv_layout
         self.graphs: StepGraphs | None = None
         overlap = os.environ.get(OVERLAP_ENV)
         self.overlap_outputs = self.device.type == "cuda" if overlap is None else overlap == "1"
@@ -121,9 +125,7 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """K and V, every layer, one block."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim * element_size
-        return per_layer * self.model.num_layers
+        return 2 * self.kv_layout.block_bytes * self.model.num_layers
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit (config.num_gpu_blocks, when set, wins)."""
@@ -158,8 +160,7 @@ class ModelRunner:
         what is used outside torch's allocator (CUDA context, cuBLAS workspaces)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        shape = kv_cache_shape(1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        scratch_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        scratch_caches = [self.kv_layout.allocate(1, self.device) for _ in range(self.model.num_layers)]
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
@@ -204,12 +205,10 @@ class ModelRunner:
         return budget
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (K = [0], V = [1]);
-        then, on CUDA, capture the step graphs (they bake in the cache's address)."""
-        shape = kv_cache_shape(num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)
-        ]
+        """One tensor per layer, [2, num_blocks, ...] (K = [0], V = [1]; the rest as
+        worker/attention/kv_cache.py lays it out); then, on CUDA, capture the step graphs (they bake
+        in the cache's address)."""
+        self.kv_caches = [self.kv_layout.allocate(num_blocks, self.device) for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and not self.config.enforce_eager:
             with torch.inference_mode():
@@ -314,6 +313,7 @@ class ModelRunner:
                 slot_mapping=torch.from_numpy(step.slot_mapping),
                 max_query_len=step.max_query_len,
                 max_seq_len=step.max_seq_len,
+                kv_layout=self.kv_layout,
             )
             input_ids = torch.from_numpy(step.input_ids)
             self._patch_pending_inputs(step, input_ids)

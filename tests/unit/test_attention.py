@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.worker.attention.metadata import AttentionMetadata, kv_cache_shape
 from minivllm.worker.attention.cpu_sdpa import SdpaAttentionBackend
+from minivllm.worker.attention.kv_cache import KVCacheLayout, dequantize, quantize
+from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.reference import ReferenceAttentionBackend, write_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -25,8 +26,10 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nu
     return out.transpose(0, 1)[-num_queries:]
 
 
-def run_case(backend: str, context_lens: list[int], query_lens: list[int], block_size: int, seed: int) -> None:
-    """Sequence i has context_lens[i] tokens already cached and runs query_lens[i] new ones."""
+def run_case(backend: str, context_lens: list[int], query_lens: list[int], block_size: int, seed: int,
+             fp8: bool = False) -> None:
+    """Sequence i has context_lens[i] tokens already cached and runs query_lens[i] new ones.
+    fp8: an FP8 cache; the output must then equal attention over the quantized-and-dequantized K/V."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -47,7 +50,9 @@ def run_case(backend: str, context_lens: list[int], query_lens: list[int], block
 
     # NaN in every slot nobody writes (block tails, padding columns, free blocks): masked
     # slots must never leak into the output.
-    kv_cache = torch.full(kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), float("nan"))
+    layout = KVCacheLayout(block_size, NUM_KV_HEADS, HEAD_DIM, torch.float32, fp8=fp8)
+    kv_cache = layout.allocate(num_blocks, torch.device("cpu"))
+    kv_cache.fill_(0xFF if fp8 else float("nan"))  # 0xFF bytes: NaN as e4m3 data and as float32 scales
 
     full_q, full_k, full_v = [], [], []
     for i, n in enumerate(seq_lens):
@@ -57,7 +62,7 @@ def run_case(backend: str, context_lens: list[int], query_lens: list[int], block
         # The cached prefix is already in the cache from earlier steps.
         if context_lens[i]:
             prefix_slots = torch.tensor(slots(i, range(context_lens[i])))
-            write_kv(full_k[i][: context_lens[i]], full_v[i][: context_lens[i]], kv_cache, prefix_slots)
+            write_kv(full_k[i][: context_lens[i]], full_v[i][: context_lens[i]], kv_cache, prefix_slots, layout)
 
     # This step's packed batch: the last query_lens[i] tokens of each sequence.
     q = torch.cat([full_q[i][c:] for i, c in enumerate(context_lens)])
@@ -72,8 +77,13 @@ def run_case(backend: str, context_lens: list[int], query_lens: list[int], block
         slot_mapping=slot_mapping,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        kv_layout=layout,
     )
     out = BACKENDS[backend]().forward(q, k, v, kv_cache, metadata, HEAD_DIM**-0.5)
+    if fp8:  # what the cache holds
+        full_k = [dequantize(*quantize(x), torch.float32) for x in full_k]
+        full_v = [dequantize(*quantize(x), torch.float32) for x in full_v]
+        k, v = torch.cat([full_k[i][c:] for i, c in enumerate(context_lens)]), torch.cat([full_v[i][c:] for i, c in enumerate(context_lens)])
 
     expected = torch.cat(
         [dense_causal_attention(full_q[i], full_k[i], full_v[i], query_lens[i]) for i in range(len(seq_lens))]
@@ -81,9 +91,11 @@ def run_case(backend: str, context_lens: list[int], query_lens: list[int], block
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # write_kv stored this step's K/V where slot_mapping says.
-    flat = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
-    torch.testing.assert_close(flat[0][slot_mapping], k)
-    torch.testing.assert_close(flat[1][slot_mapping], v)
+    views = layout.split(kv_cache)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    for cache, scales, expected_kv in ((views.key, views.key_scale, k), (views.value, views.value_scale, v)):
+        stored = cache[blocks, offsets].float() * (1.0 if scales is None else scales[blocks, offsets][..., None])
+        torch.testing.assert_close(stored, expected_kv)
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -108,6 +120,26 @@ def test_only_decodes(backend: str, block_size: int) -> None:
 @pytest.mark.parametrize("block_size", [16, 5, 1])
 def test_single_prefill(backend: str, block_size: int) -> None:
     run_case(backend, [0], [37], block_size, seed=3)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_fp8_cache_mixed_batch(backend: str, block_size: int) -> None:
+    """With kv_cache_dtype="fp8" both CPU backends attend over exactly what the cache holds."""
+    run_case(backend, [0, 23, 40, 7, 0, 16], [19, 9, 1, 1, 1, 12], block_size, seed=7, fp8=True)
+
+
+def test_fp8_quantization_error_is_bounded() -> None:
+    """e4m3 keeps 3 mantissa bits: with a scale per vector, each element's error is at most half a
+    step of its binade (2^-4 relative), and the largest element is exact. Zeros stay zero."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 4, 128, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
+    data, scale = quantize(x)
+    back = dequantize(data, scale, torch.float32)
+    assert torch.all((back - x).abs() <= x.abs() * 2**-4 + scale[..., None] * 2**-9)
+    top = x.abs().argmax(dim=-1, keepdim=True)
+    torch.testing.assert_close(back.gather(-1, top), x.gather(-1, top))
+    zero_data, zero_scale = quantize(torch.zeros(2, 3, 8))
+    assert torch.all(dequantize(zero_data, zero_scale, torch.float32) == 0)
 
 
 def test_sdpa_backend_plans_each_step_afresh() -> None:

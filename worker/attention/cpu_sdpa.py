@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.reference import write_kv
+from minivllm.worker.attention.kv_cache import gather, write_kv
 
 
 @dataclass
@@ -101,27 +101,26 @@ class SdpaAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        plan = self.plan(metadata, block_size)
-        flat_keys = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_values = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        gqa = query.shape[1] != num_kv_heads
+        layout = metadata.layout(kv_cache)
+        write_kv(key, value, kv_cache, metadata.slot_mapping, layout)
+        plan = self.plan(metadata, layout.block_size)
+        views = layout.split(kv_cache)  # an FP8 cache is dequantized to the query's dtype as it is gathered
+        gqa = query.shape[1] != layout.num_kv_heads
         out = torch.empty_like(query)
 
         if plan.decode_rows.numel():
             # [decodes, heads, 1, dim] against [decodes, kv_heads, longest, dim]
             q = query[plan.decode_rows].unsqueeze(2)
-            k = flat_keys[plan.decode_slots].transpose(1, 2)
-            v = flat_values[plan.decode_slots].transpose(1, 2)
+            k, v = gather(views, plan.decode_slots, query.dtype)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale,
                                                       enable_gqa=gqa)
             out[plan.decode_rows] = attended.squeeze(2)
 
         for chunk in plan.prefills:
             q = query[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
-            k = flat_keys[chunk.slots].transpose(0, 1).unsqueeze(0)
-            v = flat_values[chunk.slots].transpose(0, 1).unsqueeze(0)
+            k, v = gather(views, chunk.slots, query.dtype)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, scale=scale,
                                                       is_causal=chunk.causal_mask is None, enable_gqa=gqa)
             out[chunk.rows] = attended.squeeze(0).transpose(0, 1)

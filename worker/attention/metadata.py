@@ -10,6 +10,8 @@ KV cache layout (one tensor per layer):
         kv_cache[0] = keys, kv_cache[1] = values.
 Token slot s lives at block s // block_size, offset s % block_size, so
 kv_cache[i].view(num_blocks * block_size, num_kv_heads, head_dim)[s] is its key/value.
+An FP8 cache (kv_cache_dtype="fp8") packs each block's e4m3 data and scales into one byte row;
+kv_cache.py describes it, and `metadata.layout(kv_cache).split(kv_cache)` gives typed views of either.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from minivllm.worker.attention.kv_cache import KVCacheLayout, plain_layout
 
 
 @dataclass
@@ -36,10 +40,16 @@ class AttentionMetadata:
     # Host-side maxima, so backends can size loops/grids without a device sync.
     max_query_len: int
     max_seq_len: int
+    # How the cache tensors are laid out (worker/attention/kv_cache.py). None: plain, read off the
+    # tensor's shape; an FP8 cache must say so.
+    kv_layout: KVCacheLayout | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def layout(self, kv_cache: torch.Tensor) -> KVCacheLayout:
+        return self.kv_layout if self.kv_layout is not None else plain_layout(kv_cache)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -31,16 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.worker.attention.kv_cache import FP8_DTYPE, dequantize, write_kv
 from minivllm.worker.attention.metadata import AttentionMetadata
 
-
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their flat cache slots."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    # View the block pool as one long array of slots: slot = block_id * block_size + offset.
-    flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+__all__ = ["ReferenceAttentionBackend", "paged_attention", "token_positions", "write_kv"]
 
 
 def token_positions(metadata: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +56,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] over the paged cache."""
     num_tokens, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    layout = metadata.layout(kv_cache)
+    block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
     group = num_heads // num_kv_heads  # GQA: `group` query heads share one KV head
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    views = layout.split(kv_cache)
+
+    def gather_block(cache: torch.Tensor, scales: torch.Tensor | None, block_ids: torch.Tensor) -> torch.Tensor:
+        if scales is None:
+            return cache[block_ids].float()
+        return dequantize(cache.view(torch.uint8)[block_ids].view(FP8_DTYPE), scales[block_ids], torch.float32)
 
     seq_index, position = token_positions(metadata, num_tokens)
     token_block_table = metadata.block_tables[seq_index].long()  # [num_tokens, max_num_blocks]
@@ -80,8 +80,8 @@ def paged_attention(
     for column in range(num_block_columns):
         # Gather block `column` of every token's sequence: [num_tokens, block_size, kv_heads, head_dim].
         block_ids = token_block_table[:, column]
-        keys = key_cache[block_ids].float()
-        values = value_cache[block_ids].float()
+        keys = gather_block(views.key, views.key_scale, block_ids)
+        values = gather_block(views.value, views.value_scale, block_ids)
 
         # Causal + length mask: key position must be <= the query token's position. This also
         # hides slots past the sequence's end and padded block-table entries.
@@ -121,5 +121,5 @@ class ReferenceAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
         return paged_attention(query, kv_cache, metadata, scale)

@@ -1,0 +1,126 @@
+"""How one layer's paged KV cache is laid out in memory: plain, or FP8 with scales.
+
+Plain (kv_cache_dtype="auto"): one tensor of the model's dtype,
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]   (K = [0], V = [1]).
+
+FP8 (kv_cache_dtype="fp8", vLLM's name; the format is e4m3): each key and value vector (one token,
+one KV head) is stored as head_dim e4m3 bytes plus one float32 scale, amax(|x|) / 448, so the
+largest element maps to e4m3's largest finite value and every vector uses the format's whole
+range (one per-tensor scale, as vLLM's default, can leave outlier-free heads with a few
+significant bits). A block keeps its data and then its scales in one uint8 row:
+    kv_cache[2, num_blocks, block_bytes], block_bytes = block_size * num_kv_heads * (head_dim + 4)
+    row = [block_size, num_kv_heads, head_dim] e4m3 | [block_size, num_kv_heads] float32 scales.
+The scales cost 4 / head_dim of the bytes (3% at head_dim 128); the cache holds about twice the
+tokens of a bf16 one and a decode step reads about half the bytes.
+
+Either way kv_cache[:, block_id] is the whole state of one block, so whatever copies blocks
+(offloading, swapping, transfer to another instance) needs no knowledge of the format.
+`split` gives the attention backends typed views of the same memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+SCALE_BYTES = 4  # one float32 per (token, KV head)
+# A vector of zeros gets this scale instead of 0, so dequantizing never divides by zero.
+MIN_SCALE = 1e-12
+
+
+class KVCacheViews(NamedTuple):
+    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], model dtype or e4m3
+    value: torch.Tensor
+    key_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] float32 (FP8 only)
+    value_scale: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's dtype: what keys and values are computed (and dequantized) in
+    fp8: bool = False
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K (or of V) in one layer."""
+        tokens_heads = self.block_size * self.num_kv_heads
+        if self.fp8:
+            return tokens_heads * (self.head_dim + SCALE_BYTES)
+        return tokens_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.fp8:
+            return (2, num_blocks, self.block_bytes)
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.shape(num_blocks), dtype=torch.uint8 if self.fp8 else self.dtype, device=device)
+
+    def split(self, kv_cache: torch.Tensor) -> KVCacheViews:
+        if not self.fp8:
+            return KVCacheViews(kv_cache[0], kv_cache[1], None, None)
+        num_blocks = kv_cache.shape[1]
+        data_bytes = self.block_size * self.num_kv_heads * self.head_dim
+        data = kv_cache[:, :, :data_bytes].view(FP8_DTYPE).view(
+            2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        scales = kv_cache[:, :, data_bytes:].view(torch.float32).view(2, num_blocks, self.block_size, self.num_kv_heads)
+        return KVCacheViews(data[0], data[1], scales[0], scales[1])
+
+
+def plain_layout(kv_cache: torch.Tensor) -> KVCacheLayout:
+    """The layout of a plain [2, num_blocks, block_size, num_kv_heads, head_dim] cache."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return KVCacheLayout(block_size, num_kv_heads, head_dim, kv_cache.dtype)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (e4m3 [..., head_dim], float32 scale [...]) with x ~= e4m3 * scale."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (x / scale[..., None]).to(FP8_DTYPE), scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.float() * scale[..., None]).to(dtype)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             layout: KVCacheLayout | None = None) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their flat cache slots (plain torch;
+    the CUDA backend has its own kernel). layout None: a plain cache."""
+    layout = layout if layout is not None else plain_layout(kv_cache)
+    views = layout.split(kv_cache)
+    if not layout.fp8:
+        num_slots = views.key.shape[0] * layout.block_size
+        for cache, x in ((views.key, key), (views.value, value)):
+            cache.view(num_slots, layout.num_kv_heads, layout.head_dim).index_copy_(0, slot_mapping, x.to(cache.dtype))
+        return
+    # An FP8 block holds its scales after its data, so slots are addressed as (block, offset).
+    blocks, offsets = slot_mapping // layout.block_size, slot_mapping % layout.block_size
+    for cache, scale_cache, x in ((views.key, views.key_scale, key), (views.value, views.value_scale, value)):
+        data, scale = quantize(x)
+        cache.view(torch.uint8)[blocks, offsets] = data.view(torch.uint8)  # no float8 index_put on the CPU
+        scale_cache[blocks, offsets] = scale
+
+
+def gather(views: KVCacheViews, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at flat `slots` (any shape), dequantized to `dtype`: [*slots.shape, heads, dim]."""
+    block_size = views.key.shape[1]
+    if views.key_scale is not None:
+        blocks, offsets = slots // block_size, slots % block_size
+    out = []
+    for cache, scale_cache in ((views.key, views.key_scale), (views.value, views.value_scale)):
+        if scale_cache is None:  # contiguous: one flat index is cheaper than (block, offset)
+            num_blocks, _, num_kv_heads, head_dim = cache.shape
+            out.append(cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots])
+        else:
+            data = cache.view(torch.uint8)[blocks, offsets].view(FP8_DTYPE)
+            out.append(dequantize(data, scale_cache[blocks, offsets], dtype))
+    return out[0], out[1]
