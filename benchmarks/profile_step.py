@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefill", action="store_true", help="skip the full-budget prefill step")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
 
     block_size = 16
@@ -54,13 +55,17 @@ def main() -> None:
     num_blocks = args.batch * blocks_per_req + 64
     config = EngineConfig.create(args.model, load_format="dummy", num_gpu_blocks=num_blocks, max_model_len=4096,
                                  max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 enforce_eager=args.enforce_eager)
+                                 enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(config)
     t0 = time.perf_counter()
     runner.initialize_cache(num_blocks)
     print(f"initialize_cache (+ graph capture): {time.perf_counter() - t0:.1f} s")
-    for cache in runner.kv_caches:
-        cache.normal_()
+    for cache in runner.kv_caches:  # random K/V (never zeros: they can run faster than real data)
+        views = runner.kv_layout.split(cache)
+        for data, scales in ((views.key, views.key_scale), (views.value, views.value_scale)):
+            data.copy_(torch.randn(data.shape, device=data.device).to(data.dtype))
+            if scales is not None:
+                scales.uniform_(0.01, 0.02)
     params = SamplingParams(temperature=args.temperature, max_tokens=10_000, ignore_eos=True)
     rng = np.random.default_rng(0)
     new_reqs = []
@@ -125,7 +130,8 @@ def main() -> None:
 
     q = torch.randn(args.batch, attn.num_heads, attn.head_dim, device="cuda", dtype=torch.bfloat16)
     ms = cuda_time_ms(lambda: paged_attention(q, runner.kv_caches[0], metadata, attn.scale))
-    kv_bytes = args.batch * (args.context + 1) * 2 * attn.num_kv_heads * attn.head_dim * 2
+    layout = runner.kv_layout
+    kv_bytes = args.batch * (args.context + 1) * 2 * layout.block_bytes // layout.block_size
     print(f"  attention kernel, one layer: {ms * 1000:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
           f"(x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
 

@@ -1,43 +1,118 @@
-"""Time the paged attention kernel's tile shapes on a prefill and a decode batch (GPU only), next to
-PyTorch's own flash attention (SDPA, contiguous K/V) as a yardstick for the prefill."""
+"""Time the paged attention kernel's tile shapes (GPU only) on prefill and decode batches, plain and
+FP8 caches, next to PyTorch's flash attention (SDPA on contiguous K/V) as a yardstick.
+
+    python benchmarks/tune_attention.py [--cases prefill-32k,decode-256x700,...] [--fp8] [--top 4]
+
+Prefill cases report TFLOP/s (causal attention: 2 * 2 * visible (query, key) pairs * head_dim *
+heads); decode cases report TB/s of cache read (K and V of every live token, scales included).
+"prefill-32k" is one 32,768-token prompt run as the engine runs it with a budget of 8192: four
+chunks, each over the cached prefix of the ones before.
+"""
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from tests.gpu.test_triton_attention import make_batch
-from minivllm.worker.attention.triton_attention import paged_attention
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu
 
-HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
+from minivllm.worker.attention.kv_cache import KVCacheLayout
+from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.triton_attention import DecodeConfig, decode_attention, paged_attention, store_kv
+from tests.gpu.test_triton_attention import make_batch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
+
+# name -> the steps it takes, each a list of (cached context, tokens this step) per sequence
+CASES = {
+    "prefill-1x2048": [[(0, 2048)]],
+    "prefill-1x8192": [[(0, 8192)]],
+    "prefill-32k": [[(c, 8192)] for c in (0, 8192, 16384, 24576)],
+    "decode-256x700": [[(700, 1)] * 256],
+    "decode-32x4096": [[(4096, 1)] * 32],
+    "decode-4x16384": [[(16384, 1)] * 4],
+}
+PREFILL_TILES = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
+# The decode kernel's (block_n, num_warps, num_stages).
+DECODE_CONFIGS = [DecodeConfig(n, w, st) for n, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+
+
+def causal_pairs(context: int, query: int) -> int:
+    """(query, key) pairs a chunk of `query` tokens after `context` cached ones attends to."""
+    return query * context + query * (query + 1) // 2
+
+
+def build_step(cases, fp8: bool):
+    q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0)
+    if not fp8:
+        store_kv(k, v, plain_cache, md.slot_mapping)
+        return q, plain_cache, md
+    layout = KVCacheLayout(BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.bfloat16, fp8=True)
+    cache = layout.allocate(plain_cache.shape[1], q.device)
+    num_slots = plain_cache.shape[1] * BLOCK_SIZE
+    every_slot = torch.arange(num_slots, device=q.device)
+    flat = plain_cache.view(2, num_slots, KV_HEADS, HEAD_DIM)
+    store_kv(flat[0], flat[1], cache, every_slot, layout)  # the same K/V, quantized
+    store_kv(k, v, cache, md.slot_mapping, layout)
+    return q, cache, AttentionMetadata(**{**md.__dict__, "kv_layout": layout})
 
 
 def main() -> None:
-    for name, cases in (("prefill 4x512", [(0, 512)] * 4), ("prefill 1x2048", [(0, 2048)]),
-                        ("decode 256x700", [(700, 1)] * 256)):
-        q, k, v, cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16, seed=0)
-        from minivllm.worker.attention.triton_attention import store_kv
-        store_kv(k, v, cache, md.slot_mapping)
-        decode = md.max_query_len == 1
-        ms = []
-        for bm, bn, w, st in itertools.product((16,) if decode else (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="prefill-1x8192,prefill-32k,decode-256x700")
+    parser.add_argument("--fp8", action="store_true", help="an FP8 cache (kv_cache_dtype='fp8')")
+    parser.add_argument("--top", type=int, default=4)
+    args = parser.parse_args()
+    for name in args.cases.split(","):
+        steps = [build_step(cases, args.fp8) for cases in CASES[name]]
+        decode = steps[0][2].max_query_len == 1
+        layout = steps[0][2].layout(steps[0][1])
+        if decode:
+            live = sum(c + 1 for c, _ in CASES[name][0])
+            work, unit = live * KV_HEADS * 2 * (layout.block_bytes // (BLOCK_SIZE * KV_HEADS)) / 1e12, "TB/s"
+        else:
+            pairs = sum(causal_pairs(c, n) for cases in CASES[name] for c, n in cases)
+            work, unit = 4 * pairs * HEAD_DIM * HEADS / 1e12, "TFLOP/s"
+
+        def run(tiles):
+            for q, cache, md in steps:
+                if isinstance(tiles, DecodeConfig):
+                    decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
+                else:
+                    paged_attention(q, cache, md, HEAD_DIM**-0.5, tiles=tiles)
+
+        results = []
+        for tiles in DECODE_CONFIGS if decode else PREFILL_TILES:
             try:
-                t = do_bench(lambda: paged_attention(q, cache, md, 0.088, tiles=(bm, bn, w, st)), warmup=5, rep=30)
-            except Exception:  # out of shared memory etc.
-                t = float("inf")
-            ms.append((t, (bm, bn, w, st)))
-        ms.sort()
-        print(name, "best:", [(round(t * 1000, 1), c) for t, c in ms[:4]], "us")
-        if not decode:
-            n = cases[0][1]
-            qq = q.view(len(cases), n, HEADS, HEAD_DIM).transpose(1, 2)
-            kk = k.view(len(cases), n, KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(2, 1)
-            vv = v.view(len(cases), n, KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(2, 1)
-            t = do_bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True), warmup=5, rep=30)
-            print(f"  sdpa (flash, contiguous): {t * 1000:.1f} us")
+                ms = do_bench(lambda: run(tiles), warmup=10, rep=50, return_mode="median")
+            except Exception as exc:  # out of shared memory etc.
+                print(f"  {tiles}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            results.append((ms, tiles))
+        results.sort()
+        default_ms = do_bench(lambda: run(None), warmup=10, rep=50, return_mode="median")
+        if decode:
+            unified_ms = do_bench(lambda: run((16, 64, 4, 2)), warmup=10, rep=50, return_mode="median")
+            print(f"  the unified kernel (16, 64, 4, 2): {unified_ms * 1000:.0f} us = {work / unified_ms * 1000:.2f} {unit}")
+        best = "\n    ".join(f"{tuple(t)} {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}" for ms, t in results[: args.top])
+        print(f"{name}{' fp8' if args.fp8 else ''}: default {default_ms * 1000:.0f} us = "
+              f"{work / default_ms * 1000:.0f} {unit}; best {best}")
+        if not decode and len(CASES[name][0]) == 1:  # one prompt: SDPA runs it whole
+            total = sum(CASES[name][-1][0])
+            qq = torch.randn(1, HEADS, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            kk = torch.randn(1, HEADS, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            vv = torch.randn(1, HEADS, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            ms = do_bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True), warmup=10, rep=50,
+                          return_mode="median")
+            sdpa_work = 4 * causal_pairs(0, total) * HEAD_DIM * HEADS / 1e12
+            print(f"  torch SDPA (flash, contiguous, whole {total}-token prompt): {ms * 1000:.0f} us = "
+                  f"{sdpa_work / ms * 1000:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

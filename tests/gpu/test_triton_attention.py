@@ -5,12 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minivllm.worker.attention.kv_cache import FP8_MAX, KVCacheLayout, dequantize, quantize
 from minivllm.worker.attention.metadata import AttentionMetadata, kv_cache_shape
 from minivllm.worker.attention.reference import paged_attention as reference_attention
 from minivllm.worker.attention.reference import write_kv
 
 pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
-from minivllm.worker.attention.triton_attention import paged_attention, store_kv  # noqa: E402
+from minivllm.worker.attention.triton_attention import (  # noqa: E402
+    DecodeConfig,
+    decode_attention,
+    paged_attention,
+    store_kv,
+)
 
 # (context already cached, tokens this step): chunks with and without a prefix, decodes, and
 # lengths on and off block boundaries.
@@ -77,6 +83,50 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads_per_kv", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
+    """kv_cache_dtype="fp8": store_kv quantizes as the reference does (to within one e4m3 step
+    where float division rounds differently), and the kernel attends over exactly what the cache
+    holds (the reference reading the same FP8 cache)."""
+    num_kv_heads, dtype = 2, torch.bfloat16
+    q, k, v, _, plain = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim, block_size, dtype,
+                                   seed=head_dim * heads_per_kv + block_size)
+    layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=True)
+    metadata = AttentionMetadata(**{**plain.__dict__, "kv_layout": layout})
+    num_blocks = int(metadata.block_tables.max()) + 3
+    cache = layout.allocate(num_blocks, torch.device("cuda")).fill_(0xFF)  # NaN everywhere nobody writes
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    # Every slot of every sequence, the cached prefixes and this step's tokens.
+    all_slots = torch.cat([metadata.block_tables[i, : -(-int(n) // block_size)].long()[:, None] * block_size
+                           + torch.arange(block_size, device="cuda") for i, n in enumerate(metadata.seq_lens.tolist())]
+                          ).flatten()
+    prefix = all_slots[~torch.isin(all_slots, metadata.slot_mapping)]
+    store_kv(torch.randn(prefix.numel(), num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype) * 5,
+             torch.randn(prefix.numel(), num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype),
+             cache, prefix, layout)
+    store_kv(k, v, cache, metadata.slot_mapping, layout)
+
+    views = layout.split(cache)
+    blocks, offsets = metadata.slot_mapping // block_size, metadata.slot_mapping % block_size
+    for data, scales, x in ((views.key, views.key_scale, k), (views.value, views.value_scale, v)):
+        expected_data, expected_scale = quantize(x)
+        torch.testing.assert_close(scales[blocks, offsets], expected_scale, rtol=1e-6, atol=0)
+        stored = dequantize(data[blocks, offsets], scales[blocks, offsets], torch.float32)
+        assert torch.all((stored - x.float()).abs() <= x.float().abs() * 2**-4 + expected_scale[..., None] * 2**-8)
+        assert stored.abs().amax(-1).allclose(x.float().abs().amax(-1), rtol=1e-2)  # the max maps to +-FP8_MAX
+        assert FP8_MAX == 448.0
+
+    expected = reference_attention(q.float(), cache, metadata, head_dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, cache, metadata, head_dim**-0.5, out=out)
+    assert not out.isnan().any()
+    error = (out.float() - expected).norm() / expected.norm()
+    assert error < 1e-2, f"relative error {error:.2e}"
+
+
 @pytest.mark.parametrize("block_size", [32, 7])
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
 def test_other_block_sizes(cases, block_size) -> None:
@@ -99,3 +149,40 @@ def test_padding_rows_write_nothing_and_read_nothing() -> None:
     assert torch.equal(cache, before)
     out = paged_attention(pad(q), cache, padded, 0.125)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+
+
+LONG_DECODES = [(n, 1) for n in (1, 15, 16, 17, 300, 1025, 5000)]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block_n", [32, 128])
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("heads_per_kv", [1, 2, 4])
+def test_decode_kernel(fp8, block_n, num_splits, heads_per_kv, block_size=16) -> None:
+    """The decode kernel (split-KV or not) equals the reference; padding rows (seq_len 0) come out zero."""
+    num_kv_heads, head_dim, dtype = 2, 128, torch.bfloat16
+    cases = LONG_DECODES
+    q, k, v, plain_cache, plain = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim,
+                                             block_size, dtype, seed=heads_per_kv * 10 + num_splits)
+    layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=fp8)
+    num_blocks = plain_cache.shape[1]
+    cache = layout.allocate(num_blocks, torch.device("cuda"))
+    flat = plain_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    store_kv(flat[0], flat[1], cache, torch.arange(num_blocks * block_size, device="cuda"), layout)
+    store_kv(k, v, cache, plain.slot_mapping, layout)
+    # Two padding rows at the end, as a CUDA-graph bucket has.
+    metadata = AttentionMetadata(
+        query_start_loc=torch.arange(len(cases) + 3, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.cat([plain.seq_lens, torch.zeros(2, dtype=torch.int32, device="cuda")]),
+        block_tables=torch.cat([plain.block_tables, torch.zeros_like(plain.block_tables[:2])]),
+        slot_mapping=torch.cat([plain.slot_mapping, torch.full((2,), -1, device="cuda")]),
+        max_query_len=1, max_seq_len=plain.max_seq_len, kv_layout=layout,
+    )
+    q = torch.cat([q, torch.randn_like(q[:2])])
+    expected = reference_attention(q.float(), cache, metadata, head_dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    config = DecodeConfig(block_n=block_n)
+    decode_attention(q, cache, metadata, head_dim**-0.5, out=out, config=config, num_splits=num_splits)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+    error = (out[:-2].float() - expected[:-2]).norm() / expected[:-2].norm()
+    assert error < 1e-2, f"relative error {error:.2e}"

@@ -18,34 +18,63 @@ tokens and sequences, so the kernel can be captured in a CUDA graph.
 
 Padding rows (in CUDA-graph buckets) have seq_len 0 and slot -1: nothing is written for
 them and their output is zero.
+
+Decode-only steps go to a kernel of their own, one program per (sequence, KV head, split): the
+GQA group's query heads form one tile, and when the batch is too small to fill the GPU each
+sequence's keys are split across several programs whose partial softmax states a second kernel
+merges (flash-decoding), so a few long contexts use every SM.
+
+An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
+multiplies its column of scores and each value's scale its row, so nothing is dequantized twice.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
 from minivllm.worker.attention.metadata import AttentionMetadata
 
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_key_token, stride_value_token,
-    ROW: tl.constexpr, ROW_PADDED: tl.constexpr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
-    """One program per token: copy its num_kv_heads * head_dim keys and values to its slot."""
+    """One program per token: write its keys and values (every KV head) to its slot; for an FP8
+    cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # a padding row
         return
-    offs = tl.arange(0, ROW_PADDED)
-    mask = offs < ROW
-    k = tl.load(key_ptr + token * stride_key_token + offs, mask=mask)
-    v = tl.load(value_ptr + token * stride_value_token + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PADDED)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    cache_offs = block * stride_cache_block + offset * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
+    k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
+    if FP8:
+        scale_offs = block * stride_scale_block + offset * stride_scale_slot + heads
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1) / FP8_MAX, MIN_SCALE)
+        v_scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX, MIN_SCALE)
+        tl.store(k_scale_ptr + scale_offs, k_scale, mask=heads < NUM_KV_HEADS)
+        tl.store(v_scale_ptr + scale_offs, v_scale, mask=heads < NUM_KV_HEADS)
+        k = k / k_scale[:, None]
+        v = v / v_scale[:, None]
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -65,14 +94,15 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2e, num_seqs,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    stride_block_table,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
+    IEEE_FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,6 +127,8 @@ def _paged_attention_kernel(
 
     q_rows = (q_start + token_in_chunk).to(tl.int64) * stride_q_token + head * stride_q_head
     q = tl.load(query_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if FP8 and not IEEE_FP32:  # e4m3 widens to float16 cheaply (see _paged_decode_kernel)
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -112,10 +144,17 @@ def _paged_attention_kernel(
         kv_rows = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            # An FP8 key is e4m3 * scale (one scale per key): the dot runs on the e4m3 values
+            # widened to the query's dtype, and each key's column of scores takes its scale.
+            scale_rows = block_ids * stride_scale_block + (offs_n % BLOCK_SIZE) * stride_scale_slot + kv_head
+            k = k.to(q.dtype)
         if IEEE_FP32:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
+        if FP8:
+            scores = scores * tl.load(k_scale_ptr + scale_rows, mask=n_valid, other=0.0)[None, :]
         scores = scores * scale_log2e
         visible = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -126,6 +165,8 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # likewise each value row takes its scale
+            v = v.to(q.dtype) * tl.load(v_scale_ptr + scale_rows, mask=n_valid, other=0.0).to(q.dtype)[:, None]
         if IEEE_FP32:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -138,49 +179,248 @@ def _paged_attention_kernel(
              mask=row_valid[:, None] & d_valid[None, :])
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    query_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, seq_lens_ptr,
+    scale_log2e,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    stride_block_table,
+    HEADS_PER_KV: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Decode-only steps (one query token per sequence): program (seq, kv_head, split) attends the
+    HEADS_PER_KV query heads of that KV head (rows of a tensor-core tile padded to GROUP_PADDED)
+    over split `split` of the sequence's keys. With one split it writes the output; with several
+    (flash-decoding: a small batch of long contexts would otherwise leave most SMs idle) it writes
+    its partial softmax state, and _combine_splits_kernel merges them."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Splits own whole tiles of BLOCK_N keys, so only the last tile of a sequence is partial.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    key_lo = split * tiles_per_split * BLOCK_N
+    key_hi = tl.minimum(seq_len, key_lo + tiles_per_split * BLOCK_N)
+
+    offs_g = tl.arange(0, GROUP_PADDED)
+    g_valid = offs_g < HEADS_PER_KV
+    head = kv_head * HEADS_PER_KV + offs_g
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(query_ptr + seq.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=g_valid[:, None] & d_valid[None, :], other=0.0)
+    if FP8:
+        # e4m3 widens to float16 in one instruction per pair (to bfloat16 it takes a detour
+        # through float32), so an FP8 cache's dots run in float16.
+        q = q.to(tl.float16)
+
+    m_i = tl.full([GROUP_PADDED], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PADDED], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], dtype=tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    for key_start in range(key_lo, key_hi, BLOCK_N):
+        offs_n = key_start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < key_hi
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_rows = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE_FP32:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if FP8:  # each key's column of scores takes that key's scale
+            scale_rows = block_ids * stride_scale_block + (offs_n % BLOCK_SIZE) * stride_scale_slot + kv_head
+            scores = scores * tl.load(k_scale_ptr + scale_rows, mask=n_valid, other=0.0)[None, :]
+        scores = tl.where(n_valid[None, :], scores * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # and each value row its own (on the row: folded into p it could underflow float16)
+            v = v.to(tl.float16) * tl.load(v_scale_ptr + scale_rows, mask=n_valid, other=0.0).to(tl.float16)[:, None]
+        if IEEE_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    out_mask = g_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_rows = seq.to(tl.int64) * stride_o_token + head * stride_o_head
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # partial state, [seq, head, split]; an empty split leaves max -inf and sum 0
+        state = (seq.to(tl.int64) * (HEADS_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + state, m_i, mask=g_valid)
+        tl.store(partial_sum_ptr + state, l_i, mask=g_valid)
+        tl.store(partial_out_ptr + state[:, None] * HEAD_DIM_PADDED + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, stride_o_token, stride_o_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One program per (sequence, query head): merge the splits' softmax states (each rescaled to
+    the overall max) into the output."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    state = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(partial_max_ptr + state)
+    l_ = tl.load(partial_sum_ptr + state)
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # nothing to attend (a padding row)
+    weight = tl.math.exp2(m - m_all)
+    total = tl.sum(l_ * weight, axis=0)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    acc = tl.load(partial_out_ptr + state[:, None] * HEAD_DIM_PADDED + offs_d[None, :])
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_token + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             layout: KVCacheLayout | None = None) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] to their slots (slot -1: skip)."""
+    layout = layout if layout is not None else plain_layout(kv_cache)
+    views = layout.split(kv_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
-    row = num_kv_heads * head_dim
+    k_scale, v_scale, scale_strides = _scales(views)
     _store_kv_kernel[(num_tokens,)](
-        key, value, kv_cache[0], kv_cache[1], slot_mapping,
-        key.stride(0), value.stride(0),
-        ROW=row, ROW_PADDED=triton.next_power_of_2(row),
+        key, value, views.key, views.value, k_scale, v_scale, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
+        NUM_KV_HEADS=num_kv_heads, HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=layout.block_size, FP8=layout.fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
     )
 
 
-# Tile shapes (BLOCK_M, BLOCK_N, num_warps, num_stages): decode-only steps, steps with prefill chunks.
-DECODE_TILES = (16, 64, 4, 2)
+def _scales(views: KVCacheViews) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """The scale tensors and their (block, slot) strides; for a plain cache, unused stand-ins."""
+    if views.key_scale is None:
+        return views.key, views.value, (0, 0)
+    return views.key_scale, views.value_scale, (views.key_scale.stride(0), views.key_scale.stride(1))
+
+
+# The mixed kernel's tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages), for steps with prefill chunks.
 PREFILL_TILES = (64, 64, 4, 2)
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int = 64  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 3
+    max_splits: int = 16
+
+
+# Tuned on an H100 (benchmarks/tune_attention.py): the best shapes for a plain and an FP8 cache.
+DECODE = DecodeConfig()
+DECODE_FP8 = DecodeConfig(block_n=128, num_stages=2)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Splits per sequence for a decode step: 1 when the batch's (sequence, KV head) programs fill
+    the GPU a few times over by themselves, else the power of two that brings them near 4 per SM.
+    It depends on the batch's shape only, never on its lengths (the host knows those only for eager
+    steps; a CUDA graph bakes the count in)."""
+    splits = 1
+    while splits < max_splits and num_seqs * num_kv_heads * splits * 2 <= 4 * num_sms:
+        splits *= 2
+    return splits
+
+
+def decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    out: torch.Tensor | None = None, config: DecodeConfig | None = None, num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention for a decode-only step (metadata.max_query_len == 1: row i is sequence i's token)."""
+    num_tokens, num_heads, head_dim = query.shape
+    layout = metadata.layout(kv_cache)
+    num_kv_heads = layout.num_kv_heads
+    heads_per_kv = num_heads // num_kv_heads
+    num_seqs = metadata.num_seqs
+    if out is None:
+        out = torch.empty_like(query)
+    if config is None:
+        config = DECODE_FP8 if layout.fp8 else DECODE
+    if num_splits is None:
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, _num_sms(query.device.index or 0), config.max_splits)
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_padded, dtype=torch.float32,
+                                  device=query.device)
+        partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_out = partial_max = partial_sum = out  # unused
+    views = layout.split(kv_cache)
+    k_scale, v_scale, scale_strides = _scales(views)
+    group_padded = max(16, triton.next_power_of_2(heads_per_kv))  # a tensor-core tile has >= 16 rows
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, partial_out, partial_max, partial_sum,
+        query, views.key, views.value, k_scale, v_scale,
+        metadata.block_tables, metadata.seq_lens,
+        scale * 1.4426950408889634,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
+        metadata.block_tables.stride(0),
+        HEADS_PER_KV=heads_per_kv, GROUP_PADDED=group_padded, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=layout.block_size, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            out, partial_out, partial_max, partial_sum, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, NUM_SPLITS=num_splits,
+        )
+    return out
 
 
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     out: torch.Tensor | None = None, tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim]."""
+    """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim]. A
+    decode-only step goes to the decode kernel (unless `tiles` asks for this one's shapes)."""
+    if tiles is None and metadata.max_query_len == 1:
+        return decode_attention(query, kv_cache, metadata, scale, out=out)
     num_tokens, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    layout = metadata.layout(kv_cache)
+    block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
     heads_per_kv = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
     if tiles is None:
-        tiles = DECODE_TILES if metadata.max_query_len == 1 else PREFILL_TILES
+        tiles = PREFILL_TILES
     block_m, block_n, num_warps, num_stages = tiles
     block_m = max(block_m, triton.next_power_of_2(heads_per_kv))
     block_q = max(1, block_m // heads_per_kv)
     num_seqs = metadata.num_seqs
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    views = layout.split(kv_cache)
+    k_scale, v_scale, scale_strides = _scales(views)
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache,
+        out, query, views.key, views.value, k_scale, v_scale,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         scale * 1.4426950408889634, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
+        views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
+        metadata.block_tables.stride(0),
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE_FP32=query.dtype == torch.float32,
+        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -200,5 +440,5 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        store_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
         return paged_attention(query, kv_cache, metadata, scale)
