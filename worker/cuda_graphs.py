@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
-from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, DECODE_LONG_CONTEXT_MAX_SEQS, AttentionMetadata
 from minivllm.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -120,11 +120,16 @@ class StepGraphs:
         for tokens in reversed(self.mixed_buckets):
             self._capture(forward, ("mixed", tokens), tokens, max_num_seqs + 1, max_query_len=tokens,
                           max_seq_len=max_model_len)
+        self.long_decode_buckets = [b for b in self.decode_buckets if b <= DECODE_LONG_CONTEXT_MAX_SEQS] \
+            if max_model_len > DECODE_LONG_CONTEXT else []
+        for seqs in reversed(self.long_decode_buckets):
+            self._capture(forward, ("decode-long", seqs), seqs, seqs, max_query_len=1, max_seq_len=max_model_len)
         for seqs in reversed(self.decode_buckets):
-            self._capture(forward, ("decode", seqs), seqs, seqs, max_query_len=1, max_seq_len=max_model_len)
+            self._capture(forward, ("decode", seqs), seqs, seqs, max_query_len=1,
+                          max_seq_len=min(max_model_len, DECODE_LONG_CONTEXT))
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs: decode batch sizes %s; mixed token counts %s",
-                    self.decode_buckets, self.mixed_buckets)
+        logger.info("captured CUDA graphs: decode batch sizes %s (and %s over contexts > %d); mixed token counts %s",
+                    self.decode_buckets, self.long_decode_buckets, DECODE_LONG_CONTEXT, self.mixed_buckets)
 
     def _capture(self, forward: Forward, key: tuple[str, int], num_tokens: int, num_seqs: int,
                  max_query_len: int, max_seq_len: int) -> None:
@@ -147,8 +152,10 @@ class StepGraphs:
         `before_replay` runs once the inputs are in the buffers (to patch them on the device)."""
         num_seqs, num_tokens = len(step.req_ids), step.num_tokens
         if step.max_query_len == 1:
-            key = ("decode", next((b for b in self.decode_buckets if b >= num_seqs), 0))
-            padded_seqs = key[1]
+            bucket = next((b for b in self.decode_buckets if b >= num_seqs), 0)
+            key = ("decode-long" if step.max_seq_len > DECODE_LONG_CONTEXT and bucket in self.long_decode_buckets
+                   else "decode", bucket)
+            padded_seqs = bucket
         else:
             key = ("mixed", next((b for b in self.mixed_buckets if b >= num_tokens), 0))
             padded_seqs = self.max_num_seqs + 1

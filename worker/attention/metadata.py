@@ -24,6 +24,14 @@ import torch
 from minivllm.worker.attention.kv_cache import KVCacheLayout, plain_layout
 
 
+# A decode step whose longest context is longer than this may take another path (split-KV, which
+# pays off only over long contexts): CUDA graphs capture small decode batches both ways.
+DECODE_LONG_CONTEXT = 1024
+# Decode batches up to this many sequences get the long-context graphs too (larger ones fill the
+# GPU without splitting).
+DECODE_LONG_CONTEXT_MAX_SEQS = 64
+
+
 @dataclass
 class AttentionMetadata:
     # [num_seqs + 1] int32: prefix sum of query lengths; sequence i owns token rows

@@ -31,6 +31,7 @@ multiplies its column of scores and each value's scale its row, so nothing is de
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
-from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionMetadata
 
 
 @triton.jit
@@ -317,7 +318,8 @@ class DecodeConfig(NamedTuple):
     block_n: int = 64  # keys per tile
     num_warps: int = 4
     num_stages: int = 3
-    max_splits: int = 16
+    # Most splits per sequence (1: no split-KV); $MINIVLLM_DECODE_MAX_SPLITS overrides, for measuring.
+    max_splits: int = int(os.environ.get("MINIVLLM_DECODE_MAX_SPLITS", 16))
 
 
 # Tuned on an H100 (benchmarks/tune_attention.py): the best shapes for a plain and an FP8 cache.
@@ -355,8 +357,9 @@ def decode_attention(
         out = torch.empty_like(query)
     if config is None:
         config = DECODE_FP8 if layout.fp8 else DECODE
-    if num_splits is None:
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, _num_sms(query.device.index or 0), config.max_splits)
+    if num_splits is None:  # short contexts lose more to the merge than they gain from more programs
+        num_splits = 1 if metadata.max_seq_len <= DECODE_LONG_CONTEXT else num_kv_splits(
+            num_seqs, num_kv_heads, _num_sms(query.device.index or 0), config.max_splits)
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_padded, dtype=torch.float32,
