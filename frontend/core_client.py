@@ -11,6 +11,9 @@ the same key (engine_key=, or MINIVLLM_ENGINE_KEY): ZMQ CURVE, see protocol/auth
 handshake (no key, wrong key) is a clear ConnectionError, not a hang. A request the engine
 refuses comes back with an error (request_error): ValueError or EngineOverloadedError.
 
+With data_parallel_size > 1, spawn() starts that many engines behind one client that balances
+requests over them (frontend/dp_client.py).
+
 Two transports share EngineCoreClientBase: EngineCoreClient (blocking, for LLM) and
 AsyncEngineCoreClient (asyncio, for AsyncLLM: one background task owns its socket and routes
 outputs to per-request queues; it starts and stops the engine through an EngineCoreClient).
@@ -80,6 +83,15 @@ def request_error(out: EngineCoreOutput) -> Exception | None:
     return ValueError(message)
 
 
+
+
+def spawn_engine_process(config: EngineConfig, name: str = "engine",
+                         env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
+    """Start an EngineCore process serving at a fresh ipc:// address; returns (address, process)."""
+    address = new_ipc_address(name)
+    proc = spawn_child("minivllm.core.engine_core", ["--config", msgspec.json.encode(config).decode(),
+                                                     "--address", address], env=env)
+    return address, proc
 
 
 class EngineCoreClientBase:
@@ -180,16 +192,25 @@ class EngineCoreClient(EngineCoreClientBase):
 
     @classmethod
     def spawn(cls, config: EngineConfig) -> "EngineCoreClient":
-        """Start an EngineCore process for `config` and wait until it serves."""
-        address = new_ipc_address("engine")
-        proc = spawn_child("minivllm.core.engine_core", ["--config", msgspec.json.encode(config).decode(), "--address", address])
+        """Start an EngineCore process for `config` and wait until it serves. With
+        data_parallel_size > 1: that many, behind one DPEngineCoreClient (frontend/dp_client.py)."""
+        if config.data_parallel_size > 1:
+            from minivllm.frontend.dp_client import DPEngineCoreClient
+
+            return DPEngineCoreClient.spawn(config)  # type: ignore[return-value]
+        address, proc = spawn_engine_process(config)
         client = cls(address, proc)
-        try:  # loading a model takes as long as it takes; a crash is noticed through proc.poll()
-            client.engine_info = client.call_utility("get_engine_info", type=EngineInfo)
-        except EngineDeadError as e:
-            client.shutdown()
-            raise RuntimeError(f"the EngineCore failed to start ({e}); its log above says why") from None
+        client.wait_ready()
         return client
+
+    def wait_ready(self) -> None:
+        """Wait for a spawned engine to serve (loading a model takes as long as it takes; a crash
+        is noticed through proc.poll()); stop it and raise if it failed to start."""
+        try:
+            self.engine_info = self.call_utility("get_engine_info", type=EngineInfo)
+        except EngineDeadError as e:
+            self.shutdown()
+            raise RuntimeError(f"the EngineCore failed to start ({e}); its log above says why") from None
 
     @classmethod
     def attach(cls, address: str, timeout: float = 60.0, engine_key: str | None = None) -> "EngineCoreClient":
@@ -357,6 +378,10 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
 
     @classmethod
     def spawn(cls, config: EngineConfig) -> "AsyncEngineCoreClient":
+        if config.data_parallel_size > 1:
+            from minivllm.frontend.dp_client import DPAsyncEngineCoreClient
+
+            return DPAsyncEngineCoreClient.spawn(config)  # type: ignore[return-value]
         return cls(EngineCoreClient.spawn(config))
 
     @classmethod
