@@ -112,6 +112,7 @@ class EngineCoreClientBase:
         self.call_ids = itertools.count()
         self.live_request_ids: set[str] = set()
         self.engine_info: EngineInfo | None = None
+        self.label = ""  # which engine, in a dead engine's reason (data parallelism: "engine core 1: ")
 
     def _connect(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """A DEALER socket to the engine, and its monitor socket (connection events)."""
@@ -151,6 +152,12 @@ class EngineCoreClientBase:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected = True
         elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            if self.proc is not None:  # a spawned engine that died: its exit says more than the socket
+                try:
+                    self.proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._check_alive()
             self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
         elif event in HANDSHAKE_FAILURES:
             keyed = "with an engine key" if self.curve_keys is not None else "without an engine key"
@@ -167,9 +174,9 @@ class EngineCoreClientBase:
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("engine dead: %s", reason)
-        raise EngineDeadError(reason)
+            self.dead_reason = self.label + reason
+            logger.error("engine dead: %s", self.dead_reason)
+        raise EngineDeadError(self.label + reason)
 
 
 class EngineCoreClient(EngineCoreClientBase):
@@ -367,6 +374,7 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         super().__init__(control.address, control.proc, control.owns_engine, control.engine_key)
         self.control = control
         self.engine_info = control.engine_info
+        self.label = control.label
         self.ctx = zmq.asyncio.Context()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.socket: zmq.asyncio.Socket | None = None

@@ -119,6 +119,7 @@ class _Core(EngineCoreClient):
         self.index = index
         self.balancer = balancer
         self.stats_call_id: int | None = None
+        self.label = f"data-parallel engine core {index}: "
 
     def request_load_report(self) -> None:
         """Ask for a load report without waiting for it (hold io_lock)."""
