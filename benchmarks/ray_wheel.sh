@@ -18,8 +18,25 @@ if [[ "${1:-}" == "--install" ]]; then
     name=$(cat "$dir/deps/RAY_WHEEL")
     cat "$dir"/part* > "$dir/deps/$name"
     (cd "$dir/deps" && sha256sum -c RAY_WHEEL.sha256)
+    # Ray, and those of its dependencies the image lacks (the image's own torch / transformers
+    # stacks keep their versions of requests, packaging, ...: /tmp/site comes first on the path).
+    mapfile -t wheels < <(python3 - "$dir/deps" <<'PY'
+import importlib.metadata as metadata, os, sys
+folder = sys.argv[1]
+for name in sorted(os.listdir(folder)):
+    if not name.endswith(".whl"):
+        continue
+    try:
+        if name.startswith("ray-"):
+            raise metadata.PackageNotFoundError
+        metadata.distribution(name.split("-")[0])
+    except metadata.PackageNotFoundError:
+        print(os.path.join(folder, name))
+PY
+)
+    echo "installing ${#wheels[@]} wheel(s): ${wheels[*]##*/}"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$dir"/deps/*.whl
+        "${wheels[@]}"
     PYTHONPATH=/tmp/site python3 -c "import ray; print('ray', ray.__version__, 'installed in /tmp/site')"
     exit 0
 fi
