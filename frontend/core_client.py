@@ -525,9 +525,10 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         self.socket = self.monitor = self.output_task = None
         self.connected = False
 
-    def shutdown(self) -> None:
+    def shutdown(self, stop_engine: bool = True) -> None:
         """Stop a spawned engine; for an attached one, abort this client's requests and detach.
-        Not a coroutine: it works with or without a running event loop."""
+        Not a coroutine: it works with or without a running event loop. stop_engine=False leaves
+        the control connection (and the engine) to the caller."""
         if self.ctx.closed:
             return
         try:
@@ -543,7 +544,8 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         finally:
             self._close_socket()
             self.ctx.destroy(linger=0)
-            self.control.shutdown()
+            if stop_engine:
+                self.control.shutdown()
 
 
 def _log_send_failure(future: asyncio.Future) -> None:

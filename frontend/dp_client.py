@@ -376,7 +376,8 @@ class DPAsyncEngineCoreClient:
     def shutdown(self) -> None:
         if self.report_task is not None and not self.report_task.done() and not self.report_task.get_loop().is_closed():
             self.report_task.cancel()
-        _in_parallel([core.shutdown for core in self.cores])  # each stops its core too
+        for core in self.cores:  # this thread's sockets and streams; then the engines, all at once
+            core.shutdown(stop_engine=False)
         self.control.shutdown()
 
 
