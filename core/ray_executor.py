@@ -118,10 +118,14 @@ class RayExecutor(ZmqExecutor):
                 port = ray.get(self.actors[0].free_port.remote())
                 dist_init_address = f"tcp://{_bracket(self.infos[0]['node_ip'])}:{port}"
             config_json = msgspec.json.encode(config).decode()
+            node_gpus: dict[str, list[str]] = {}  # node -> the GPUs of this engine's workers there
+            for info in self.infos:
+                node_gpus.setdefault(info["node_id"], []).extend(info["gpu_ids"])
+            node_gpus = {node: sorted(set(ids), key=lambda i: (len(i), i)) for node, ids in node_gpus.items()}
             self.run_refs = [
                 actor.run.remote(config_json, rank, self.work_addresses[rank], self.result_address,
-                                 dist_init_address, self.curve_secret)
-                for rank, actor in enumerate(self.actors)
+                                 dist_init_address, self.curve_secret, node_gpus[info["node_id"]])
+                for rank, (actor, info) in enumerate(zip(self.actors, self.infos))
             ]
             self._gather_replies("ready")
         except BaseException:

@@ -5,8 +5,8 @@ asks it where it landed, then calls run(), which serves the executor's ZMQ socke
 Ray carries nothing of the steps; it only places the actor and tells the executor when it dies
 (run()'s result then fails with the reason).
 
-Ray sets CUDA_VISIBLE_DEVICES for each actor to the one GPU it was given, so the worker always
-uses CUDA device 0 of what it sees, whatever its rank.
+Ray sets CUDA_VISIBLE_DEVICES for each actor to the one GPU it was given; the worker uses that GPU,
+whatever its rank (see run()).
 """
 
 from __future__ import annotations
@@ -45,13 +45,22 @@ class RayWorker:
             return s.getsockname()[1]
 
     def run(self, config_json: str, rank: int, work_address: str, result_address: str,
-            dist_init_address: str | None, curve_secret: str | None) -> int:
-        """Serve the executor until Shutdown (blocks this actor); returns the exit code."""
+            dist_init_address: str | None, curve_secret: str | None, node_gpu_ids: list[str] | None = None) -> int:
+        """Serve the executor until Shutdown (blocks this actor); returns the exit code.
+
+        node_gpu_ids: the GPUs Ray gave this engine's workers on this node. Ray leaves each actor
+        only its own GPU visible; the worker makes its node's whole set visible (before CUDA starts)
+        and takes its own GPU by its index there, as vLLM does, so that NCCL sees the peers it
+        reaches over NVLink."""
         from minivllm.worker.worker import run_worker
 
         logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
                             format=f"%(levelname)s %(asctime)s [worker{rank}] %(name)s: %(message)s")
         config = msgspec.json.decode(config_json, type=EngineConfig)
-        # On CUDA Ray left this actor one visible GPU: its device 0.
+        device_index = 0  # the one GPU Ray left visible (or the CPU)
+        own = self.node_info()["gpu_ids"]
+        if node_gpu_ids and len(own) == 1 and own[0] in node_gpu_ids:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpu_ids)
+            device_index = node_gpu_ids.index(own[0])
         return run_worker(config, rank, work_address, result_address, dist_init_address,
-                          device_index=0, curve_secret=curve_secret)
+                          device_index=device_index, curve_secret=curve_secret)
