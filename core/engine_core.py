@@ -32,7 +32,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from minivllm.core.executor import Executor, WorkerDiedError
+from minivllm.core.executor import WorkerDiedError, make_executor
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.auth import HANDSHAKE_FAILED_EVENTS, HANDSHAKE_FAILURES, CurveKeys, check_bind_allowed
 from minivllm.protocol.config import EngineConfig
@@ -126,7 +126,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = Executor(config)
+        self.executor = make_executor(config)  # mp or ray, as config.distributed_executor_backend says
         try:
             if config.num_gpu_blocks is not None:
                 num_gpu_blocks = config.num_gpu_blocks

@@ -1,9 +1,18 @@
-"""The executor: starts one worker process per GPU and talks to them over ZMQ.
+"""The executors: they start the workers (one per GPU) and talk to them over ZMQ.
+
+Two ways to start and place the workers share one transport (ZmqExecutor):
+  - MpExecutor (distributed_executor_backend="mp", the default): local child processes.
+  - RayExecutor (core/ray_executor.py, "ray"): Ray actors placed by a placement group, possibly
+    on other nodes. Ray only places and watches them; the steps still travel over ZMQ.
 
 Each worker gets its own PUSH socket for work (a SchedulerOutput is sent to every worker), and all
 workers answer on one shared PULL socket. Only rank 0 returns sampled tokens (every rank samples
-the same ones: see worker/models/parallel_layers.py). With several workers (tensor parallelism)
-the executor also picks the loopback address at which they form their torch.distributed group.
+the same ones: see worker/models/parallel_layers.py). The sockets are Unix sockets (ipc://) when
+every worker is on this host; when some are on other nodes they are TCP on this node's address,
+and CURVE-authenticated with a key pair made for this executor alone (only its workers hold it).
+With several workers (tensor parallelism) the executor also picks the address at which they form
+their torch.distributed group.
+
 While waiting for an answer the executor checks every second that its workers are still alive,
 so a dead worker becomes a WorkerDiedError within about a second instead of a hang. A worker that
 hangs instead (a deadlock, a stuck device, a stopped process) is caught by the step watchdog: a
@@ -12,7 +21,9 @@ step unanswered after config.execute_model_timeout_seconds becomes a WorkerHungE
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import subprocess
 import time
 from typing import Any
@@ -20,6 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from minivllm.protocol.auth import CurveKeys
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
@@ -38,40 +50,90 @@ class WorkerHungError(WorkerDiedError):
     """The step watchdog fired: the workers did not answer a step in time."""
 
 
-class Executor:
+def make_executor(config: EngineConfig) -> "ZmqExecutor":
+    """The executor config.distributed_executor_backend names."""
+    if config.distributed_executor_backend == "ray":
+        from minivllm.core.ray_executor import RayExecutor  # imports ray: only when asked for
+
+        return RayExecutor(config)
+    return MpExecutor(config)
+
+
+class ZmqExecutor:
+    """The transport and the watchdogs; subclasses start, watch and stop the workers.
+
+    A subclass's constructor starts its workers, calls bind_sockets() once it knows whether any
+    worker is on another node, hands the addresses (and curve_secret, if set) to the workers, then
+    waits for their "ready" with _gather_replies("ready").
+    """
+
+    # How long a sibling's death may take to show after a rank reported a broken collective.
+    blame_grace_s = 1.0
+
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.tensor_parallel_size
         self.step_timeout_s = config.execute_model_timeout_seconds
         self.hung = False
         self.ctx = zmq.Context()
-        self.result_address = new_ipc_address("worker-results")
-        self.result_socket = self.ctx.socket(zmq.PULL)
-        self.result_socket.bind(self.result_address)
-        self.work_addresses = [new_ipc_address(f"worker{rank}-in") for rank in range(self.world_size)]
-        self.work_sockets = []
-        for address in self.work_addresses:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.bind(address)
-            self.work_sockets.append(sock)
+        self.authenticator = None
+        self.curve_secret: str | None = None  # set when the sockets are TCP: the workers' key
+        self.result_address = ""
+        self.work_addresses: list[str] = []
+        self.work_sockets: list[zmq.Socket] = []
+        self.result_socket: zmq.Socket | None = None
 
-        config_json = msgspec.json.encode(config).decode()
-        dist_args = ["--dist-init-address", free_loopback_tcp_address()] if self.world_size > 1 else []
-        self.procs: list[subprocess.Popen] = [
-            spawn_child(
-                "minivllm.worker.worker",
-                ["--config", config_json, "--rank", str(rank),
-                 "--work-address", self.work_addresses[rank], "--result-address", self.result_address,
-                 *dist_args],
-            )
-            for rank in range(self.world_size)
-        ]
-        # Each worker says "ready" once its model is loaded (or reports why it could not).
-        self._gather_replies("ready")
-        logger.info("%d worker(s) ready (pids %s)", self.world_size, self.worker_pids)
+    # -- for subclasses -----------------------------------------------------------------------
+
+    def bind_sockets(self, tcp_host: str | None = None) -> None:
+        """Bind the result socket and one work socket per rank: Unix sockets (tcp_host None), or
+        TCP on tcp_host with CURVE, for workers on other nodes."""
+        if tcp_host is not None:
+            self.curve_secret = secrets.token_hex(32)
+            keys = CurveKeys(self.curve_secret)
+            self._start_authenticator(keys.client_public)
+        sockets = [self.ctx.socket(zmq.PULL)] + [self.ctx.socket(zmq.PUSH) for _ in range(self.world_size)]
+        addresses = []
+        for i, sock in enumerate(sockets):
+            if tcp_host is None:
+                address = new_ipc_address("worker-results" if i == 0 else f"worker{i - 1}-in")
+                sock.bind(address)
+            else:
+                keys.make_server(sock)
+                port = sock.bind_to_random_port(f"tcp://{_bracket(tcp_host)}")
+                address = f"tcp://{_bracket(tcp_host)}:{port}"
+            addresses.append(address)
+        self.result_socket, self.work_sockets = sockets[0], sockets[1:]
+        self.result_address, self.work_addresses = addresses[0], addresses[1:]
+
+    def _start_authenticator(self, allowed_client_key: bytes) -> None:
+        """ZAP: only a peer presenting this executor's client key finishes the CURVE handshake."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        class _OnlyOurWorkers:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return hmac.compare_digest(key, allowed_client_key)
+
+        self.authenticator = ThreadAuthenticator(self.ctx, log=logging.getLogger(f"{__name__}.auth"))
+        self.authenticator.start()
+        self.authenticator.configure_curve_callback("*", credentials_provider=_OnlyOurWorkers())
+
+    def dead_worker(self, rank: int) -> str | None:
+        """Why worker `rank` is gone (for the error), or None while it lives."""
+        raise NotImplementedError
+
+    def describe_workers(self) -> str:
+        """The workers, for a message ("pids [...]", "Ray actors on ...")."""
+        raise NotImplementedError
+
+    def stop_workers(self, timeout: float) -> None:
+        """Wait up to `timeout` for the workers to take the Shutdown sent them, then end them."""
+        raise NotImplementedError
 
     @property
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        raise NotImplementedError
+
+    # -- the engine's interface ---------------------------------------------------------------
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call Worker.<method>(*args) on every worker; return their results by rank."""
@@ -97,6 +159,35 @@ class Executor:
             raise WorkerDiedError(f"expected a model output from rank 0, got {type(message).__name__}")
         return message
 
+    def check_alive(self) -> None:
+        for rank in range(self.world_size):
+            reason = self.dead_worker(rank)
+            if reason is not None:
+                raise WorkerDiedError(reason)
+
+    def shutdown(self) -> None:
+        payload = encode(Shutdown())
+        any_dead = False
+        for rank, sock in enumerate(self.work_sockets):
+            if self.dead_worker(rank) is None:
+                try:
+                    sock.send(payload, flags=zmq.NOBLOCK)
+                except zmq.Again:  # the worker never connected; stop_workers ends it
+                    pass
+            else:
+                any_dead = True
+        # After a death the siblings may be stuck in a collective that never completes (NCCL waits
+        # forever): give them a second to take the Shutdown, not the usual five.
+        # A hung worker will not take it at all.
+        self.stop_workers(timeout=1.0 if self.hung or any_dead else 5.0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.ctx.destroy(linger=0)
+        for address in [self.result_address, *self.work_addresses]:
+            remove_ipc_file(address)
+
+    # -- plumbing -----------------------------------------------------------------------------
+
     def _gather_replies(self, method: str) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         for _ in range(self.world_size):
@@ -116,10 +207,10 @@ class Executor:
             if timeout_s is not None and waited >= timeout_s:
                 self.hung = True
                 raise WorkerHungError(
-                    f"step watchdog: no answer from the workers after {waited:.1f} s (worker pids "
-                    f"{self.worker_pids} still running but not answering: a hang, a stuck device or a stopped "
-                    f"process); the engine shuts down. If steps legitimately take longer, raise "
-                    f"--execute-model-timeout-seconds (now {timeout_s:g})."
+                    f"step watchdog: no answer from the workers after {waited:.1f} s ({self.describe_workers()} "
+                    f"still running but not answering: a hang, a stuck device or a stopped process); the engine "
+                    f"shuts down. If steps legitimately take longer, raise --execute-model-timeout-seconds "
+                    f"(now {timeout_s:g})."
                 )
         message = worker_output_decoder.decode(self.result_socket.recv())
         if isinstance(message, WorkerReply) and message.error is not None:
@@ -127,39 +218,63 @@ class Executor:
             raise WorkerDiedError(f"worker {message.rank} failed in {message.method}:\n{message.error}")
         return message
 
-    def _blame_dead_sibling(self, reporter: int, grace_s: float = 1.0) -> None:
+    def _blame_dead_sibling(self, reporter: int) -> None:
         """With several workers, one that dies makes its siblings' next collective fail; name the
         dead one (the cause) rather than the sibling that reported the broken collective."""
-        deadline = time.monotonic() + (grace_s if self.world_size > 1 else 0.0)
+        deadline = time.monotonic() + (self.blame_grace_s if self.world_size > 1 else 0.0)
         while True:
-            for rank, proc in enumerate(self.procs):
-                if rank != reporter and proc.poll() is not None:
-                    raise WorkerDiedError(f"worker {rank} (pid {proc.pid}) exited unexpectedly with code "
-                                          f"{proc.returncode}; worker {reporter} then lost it in a collective")
+            for rank in range(self.world_size):
+                if rank != reporter and (reason := self.dead_worker(rank)) is not None:
+                    raise WorkerDiedError(f"{reason}; worker {reporter} then lost it in a collective")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
 
-    def check_alive(self) -> None:
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code is not None:
-                raise WorkerDiedError(f"worker {rank} (pid {proc.pid}) exited unexpectedly with code {code}")
 
-    def shutdown(self) -> None:
-        payload = encode(Shutdown())
-        for sock, proc in zip(self.work_sockets, self.procs):
-            if proc.poll() is None:
-                try:
-                    sock.send(payload, flags=zmq.NOBLOCK)
-                except zmq.Again:  # the worker never connected; stop_child ends it
-                    pass
-        # After a death the siblings may be stuck in a collective that never completes (NCCL waits
-        # forever): give them a second to take the Shutdown, not the usual five.
-        # A hung worker will not take it at all.
-        timeout = 1.0 if self.hung or any(proc.poll() is not None for proc in self.procs) else 5.0
+class MpExecutor(ZmqExecutor):
+    """The workers are child processes of the EngineCore, on this host."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.bind_sockets()
+        config_json = msgspec.json.encode(config).decode()
+        dist_args = ["--dist-init-address", free_loopback_tcp_address()] if self.world_size > 1 else []
+        self.procs: list[subprocess.Popen] = [
+            spawn_child(
+                "minivllm.worker.worker",
+                ["--config", config_json, "--rank", str(rank),
+                 "--work-address", self.work_addresses[rank], "--result-address", self.result_address,
+                 *dist_args],
+            )
+            for rank in range(self.world_size)
+        ]
+        # Each worker says "ready" once its model is loaded (or reports why it could not).
+        self._gather_replies("ready")
+        logger.info("%d worker(s) ready (pids %s)", self.world_size, self.worker_pids)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def dead_worker(self, rank: int) -> str | None:
+        proc = self.procs[rank]
+        code = proc.poll()
+        if code is None:
+            return None
+        return f"worker {rank} (pid {proc.pid}) exited unexpectedly with code {code}"
+
+    def describe_workers(self) -> str:
+        return f"worker pids {self.worker_pids}"
+
+    def stop_workers(self, timeout: float) -> None:
         for proc in self.procs:
             stop_child(proc, timeout=timeout)
-        self.ctx.destroy(linger=0)
-        for address in [self.result_address, *self.work_addresses]:
-            remove_ipc_file(address)
+
+
+# The name the engine used before there were two backends.
+Executor = MpExecutor
+
+
+def _bracket(host: str) -> str:
+    """An IPv6 address in brackets, as a tcp:// address needs it."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

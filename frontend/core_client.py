@@ -11,6 +11,9 @@ the same key (engine_key=, or MINIVLLM_ENGINE_KEY): ZMQ CURVE, see protocol/auth
 handshake (no key, wrong key) is a clear ConnectionError, not a hang. A request the engine
 refuses comes back with an error (request_error): ValueError or EngineOverloadedError.
 
+With data_parallel_size > 1, spawn() starts that many engines behind one client that balances
+requests over them (frontend/dp_client.py).
+
 Two transports share EngineCoreClientBase: EngineCoreClient (blocking, for LLM) and
 AsyncEngineCoreClient (asyncio, for AsyncLLM: one background task owns its socket and routes
 outputs to per-request queues; it starts and stops the engine through an EngineCoreClient).
@@ -82,6 +85,15 @@ def request_error(out: EngineCoreOutput) -> Exception | None:
 
 
 
+def spawn_engine_process(config: EngineConfig, name: str = "engine",
+                         env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
+    """Start an EngineCore process serving at a fresh ipc:// address; returns (address, process)."""
+    address = new_ipc_address(name)
+    proc = spawn_child("minivllm.core.engine_core", ["--config", msgspec.json.encode(config).decode(),
+                                                     "--address", address], env=env)
+    return address, proc
+
+
 class EngineCoreClientBase:
     """What every transport to the EngineCore shares: the engine process (if spawned), the
     per-client request-id prefix, how the engine's messages are read, and when it counts as dead.
@@ -100,6 +112,7 @@ class EngineCoreClientBase:
         self.call_ids = itertools.count()
         self.live_request_ids: set[str] = set()
         self.engine_info: EngineInfo | None = None
+        self.label = ""  # which engine, in a dead engine's reason (data parallelism: "engine core 1: ")
 
     def _connect(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """A DEALER socket to the engine, and its monitor socket (connection events)."""
@@ -139,6 +152,12 @@ class EngineCoreClientBase:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected = True
         elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            if self.proc is not None:  # a spawned engine that died: its exit says more than the socket
+                try:
+                    self.proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._check_alive()
             self._mark_dead(f"lost the connection to the EngineCore at {self.address}")
         elif event in HANDSHAKE_FAILURES:
             keyed = "with an engine key" if self.curve_keys is not None else "without an engine key"
@@ -155,9 +174,9 @@ class EngineCoreClientBase:
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("engine dead: %s", reason)
-        raise EngineDeadError(reason)
+            self.dead_reason = self.label + reason
+            logger.error("engine dead: %s", self.dead_reason)
+        raise EngineDeadError(self.label + reason)
 
 
 class EngineCoreClient(EngineCoreClientBase):
@@ -180,16 +199,25 @@ class EngineCoreClient(EngineCoreClientBase):
 
     @classmethod
     def spawn(cls, config: EngineConfig) -> "EngineCoreClient":
-        """Start an EngineCore process for `config` and wait until it serves."""
-        address = new_ipc_address("engine")
-        proc = spawn_child("minivllm.core.engine_core", ["--config", msgspec.json.encode(config).decode(), "--address", address])
+        """Start an EngineCore process for `config` and wait until it serves. With
+        data_parallel_size > 1: that many, behind one DPEngineCoreClient (frontend/dp_client.py)."""
+        if config.data_parallel_size > 1:
+            from minivllm.frontend.dp_client import DPEngineCoreClient
+
+            return DPEngineCoreClient.spawn(config)  # type: ignore[return-value]
+        address, proc = spawn_engine_process(config)
         client = cls(address, proc)
-        try:  # loading a model takes as long as it takes; a crash is noticed through proc.poll()
-            client.engine_info = client.call_utility("get_engine_info", type=EngineInfo)
-        except EngineDeadError as e:
-            client.shutdown()
-            raise RuntimeError(f"the EngineCore failed to start ({e}); its log above says why") from None
+        client.wait_ready()
         return client
+
+    def wait_ready(self) -> None:
+        """Wait for a spawned engine to serve (loading a model takes as long as it takes; a crash
+        is noticed through proc.poll()); stop it and raise if it failed to start."""
+        try:
+            self.engine_info = self.call_utility("get_engine_info", type=EngineInfo)
+        except EngineDeadError as e:
+            self.shutdown()
+            raise RuntimeError(f"the EngineCore failed to start ({e}); its log above says why") from None
 
     @classmethod
     def attach(cls, address: str, timeout: float = 60.0, engine_key: str | None = None) -> "EngineCoreClient":
@@ -346,6 +374,7 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         super().__init__(control.address, control.proc, control.owns_engine, control.engine_key)
         self.control = control
         self.engine_info = control.engine_info
+        self.label = control.label
         self.ctx = zmq.asyncio.Context()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.socket: zmq.asyncio.Socket | None = None
@@ -357,6 +386,10 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
 
     @classmethod
     def spawn(cls, config: EngineConfig) -> "AsyncEngineCoreClient":
+        if config.data_parallel_size > 1:
+            from minivllm.frontend.dp_client import DPAsyncEngineCoreClient
+
+            return DPAsyncEngineCoreClient.spawn(config)  # type: ignore[return-value]
         return cls(EngineCoreClient.spawn(config))
 
     @classmethod
@@ -492,9 +525,10 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         self.socket = self.monitor = self.output_task = None
         self.connected = False
 
-    def shutdown(self) -> None:
+    def shutdown(self, stop_engine: bool = True) -> None:
         """Stop a spawned engine; for an attached one, abort this client's requests and detach.
-        Not a coroutine: it works with or without a running event loop."""
+        Not a coroutine: it works with or without a running event loop. stop_engine=False leaves
+        the control connection (and the engine) to the caller."""
         if self.ctx.closed:
             return
         try:
@@ -510,7 +544,8 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         finally:
             self._close_socket()
             self.ctx.destroy(linger=0)
-            self.control.shutdown()
+            if stop_engine:
+                self.control.shutdown()
 
 
 def _log_send_failure(future: asyncio.Future) -> None:

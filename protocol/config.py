@@ -160,7 +160,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
         kv_transfer_config = _check_kv_transfer(kv_offloading_size, preemption_mode, kv_transfer_config)
 
-        _check_distributed(distributed_executor_backend, data_parallel_size)
+        _check_distributed(distributed_executor_backend, data_parallel_size, tensor_parallel_size, device)
 
         from transformers import AutoConfig  # lazy: only the process that builds configs pays
 
@@ -176,7 +176,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"max_model_len={max_model_len} exceeds the model's maximum length "
                 f"({derived_len}); use a value in [1, {derived_len}]."
             )
-        _check_tensor_parallel_size(tensor_parallel_size, hf_config, device)
+        _check_tensor_parallel_size(tensor_parallel_size, hf_config, device, distributed_executor_backend)
         default_budget = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if _runs_on_cuda(device) else DEFAULT_MAX_NUM_BATCHED_TOKENS
         if scheduling_policy == "v0":
             # V0 prefills whole prompts, so one step must hold the longest one (vLLM V0's rule);
@@ -241,16 +241,31 @@ def _check_kv_transfer(kv_offloading_size: float | None, preemption_mode: str | 
     return None
 
 
-def _check_distributed(distributed_executor_backend: str, data_parallel_size: int) -> None:
+def _check_distributed(distributed_executor_backend: str, data_parallel_size: int, tensor_parallel_size: int = 1,
+                       device: str = "auto") -> None:
+    """mp: every engine core and worker on this host (on CUDA, data_parallel_size x
+    tensor_parallel_size devices). ray: Ray places the workers, so the devices are counted in the
+    cluster when the placement group is made, not here; Ray must be installed."""
     _check_choice("distributed_executor_backend", distributed_executor_backend, DISTRIBUTED_EXECUTOR_BACKENDS)
-    if distributed_executor_backend != "mp":
-        raise ValueError(f"distributed_executor_backend={distributed_executor_backend!r} is not supported yet; use 'mp'.")
     _check_at_least("data_parallel_size", data_parallel_size, 1)
-    if data_parallel_size != 1:
-        raise ValueError("data_parallel_size > 1 is not supported yet; use 1.")
+    if distributed_executor_backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: `pip install ray` (or "
+                             "`pip install minivllm[ray]`) on every node, or use 'mp'.")
+    elif data_parallel_size > 1 and _runs_on_cuda(device):
+        import torch
+
+        visible, needed = torch.cuda.device_count(), data_parallel_size * tensor_parallel_size
+        if needed > visible:
+            raise ValueError(
+                f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
+                f"{needed} CUDA devices, but {visible} are visible (CUDA_VISIBLE_DEVICES); lower one of them, or "
+                "use distributed_executor_backend='ray' to span several machines.")
 
 
-def _check_tensor_parallel_size(size: int, hf_config, device: str) -> None:
+def _check_tensor_parallel_size(size: int, hf_config, device: str, backend: str = "mp") -> None:
     """The model must split evenly over `size` ranks (query heads, MLP width; KV heads split or,
     when fewer than the ranks, are replicated), and on CUDA each rank needs its own device."""
     heads = int(hf_config.num_attention_heads)
@@ -263,7 +278,7 @@ def _check_tensor_parallel_size(size: int, hf_config, device: str) -> None:
             f"tensor_parallel_size={size} does not split this model ({heads} attention heads, {kv_heads} KV "
             f"heads, intermediate_size {intermediate}); use one of {', '.join(map(str, allowed))}."
         )
-    if size > 1 and _runs_on_cuda(device):
+    if size > 1 and backend == "mp" and _runs_on_cuda(device):  # ray: the cluster's GPUs count
         import torch
 
         visible = torch.cuda.device_count()

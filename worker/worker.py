@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from minivllm.protocol.auth import CurveKeys
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
 from minivllm.protocol.serial import encode, worker_input_decoder
@@ -31,23 +32,29 @@ _PENDING_POLL_S = 20e-6
 class Worker:
     CALLABLE = ("determine_num_blocks", "initialize_cache")
 
-    def __init__(self, config: EngineConfig, rank: int, dist_init_address: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int, dist_init_address: str | None = None,
+                 device_index: int | None = None) -> None:
+        """device_index: which of the visible CUDA devices is this worker's (default: its rank; a
+        Ray actor sees only the one GPU Ray gave it, so 0)."""
         # These import torch: after the sockets are up.
         from minivllm.worker.distributed import init_distributed
         from minivllm.worker.model_runner import ModelRunner, resolve_device
 
         self.rank = rank
         world_size = config.tensor_parallel_size
-        device = resolve_device(config.device, rank)
-        if world_size > 1:
+        device_index = rank if device_index is None else device_index
+        device = resolve_device(config.device, device_index)
+        # Data-parallel engines' workers share the host's cores too (when they run on the CPU).
+        processes_on_cpu = world_size * config.data_parallel_size
+        if world_size > 1 or processes_on_cpu > 1:
             import torch
 
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # before NCCL makes its communicator on it
             else:  # the ranks share the host's cores: a thread pool each the size of all would thrash
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_on_cpu))
         init_distributed(rank, world_size, dist_init_address, device)  # before the model: layers read it
-        self.model_runner = ModelRunner(config, rank)
+        self.model_runner = ModelRunner(config, device_index)  # its `rank` picks the CUDA device
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -62,11 +69,18 @@ class Worker:
 
 
 def run_worker(config: EngineConfig, rank: int, work_address: str, result_address: str,
-               dist_init_address: str | None = None) -> int:
+               dist_init_address: str | None = None, device_index: int | None = None,
+               curve_secret: str | None = None) -> int:
+    """Serve the executor until Shutdown; returns the exit code. curve_secret: the executor's key
+    when its sockets are TCP (workers on other nodes), see core/executor.py."""
     ctx = zmq.Context()
     work_socket = ctx.socket(zmq.PULL)
-    work_socket.connect(work_address)
     result_socket = ctx.socket(zmq.PUSH)
+    if curve_secret is not None:
+        keys = CurveKeys(curve_secret)
+        keys.make_client(work_socket)
+        keys.make_client(result_socket)
+    work_socket.connect(work_address)
     result_socket.connect(result_address)
 
     def reply(method: str, result: Any = None, error: str | None = None) -> None:
@@ -88,7 +102,7 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
 
     method = "ready"
     try:
-        worker = Worker(config, rank, dist_init_address)
+        worker = Worker(config, rank, dist_init_address, device_index)
         runner = worker.model_runner
         reply("ready", os.getpid())
         while True:
