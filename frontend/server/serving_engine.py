@@ -91,6 +91,7 @@ class PromptRun:
     prompt_text: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: Any = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, with the last output
 
 
 class MergedStream:
@@ -215,6 +216,8 @@ class OpenAIServing:
                     run.timer.prompt(len(output.prompt_token_ids))
                 if output.prompt_logprobs is not None:
                     run.prompt_logprobs = output.prompt_logprobs
+                if output.kv_transfer_params is not None:
+                    run.kv_transfer_params = output.kv_transfer_params
                 for completion in output.outputs:
                     totals[completion.index] = totals.get(completion.index, 0) + len(completion.token_ids)
                     run.timer.tokens(completion.index, len(completion.token_ids), now)
@@ -280,6 +283,12 @@ def decoded(tokenizer: Any, token_id: int, entry: Any) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def kv_transfer_params_of(runs: list[PromptRun]) -> dict[str, Any] | None:
+    """The response's top-level kv_transfer_params (vLLM's field): the KV connector's, for the
+    request's one prompt (kv_transfer_params requests have one prompt and n=1)."""
+    return next((run.kv_transfer_params for run in runs if run.kv_transfer_params is not None), None)
 
 
 def disconnected_response() -> Response:
