@@ -116,7 +116,9 @@ class DisaggProxy:
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, request_timeout: float = 600.0,
                  connect_timeout: float = 5.0, health_timeout: float = 5.0) -> None:
-        self.prefill = BackendPool(prefill_urls, "prefill")
+        # No prefill instances: a plain load balancer over the (colocated) decode instances, for
+        # comparing PD disaggregation with the same number of ordinary instances behind one proxy.
+        self.prefill = BackendPool(prefill_urls, "prefill") if prefill_urls else None
         self.decode = BackendPool(decode_urls, "decode")
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
@@ -216,7 +218,15 @@ class DisaggProxy:
         stream = bool(body.get("stream"))
         tried_prefill: set[str] = set()
         failures: list[str] = []
-        while True:
+        while self.prefill is None:  # colocated: no prefill stage
+            try:
+                backend, response = await self.open_decode(endpoint, body, headers)
+            except UpstreamError as e:
+                return JSONResponse(error_body(HTTPStatus.SERVICE_UNAVAILABLE, str(e)), status_code=503)
+            except DecodeFailed as failed:
+                return Response(failed.payload, status_code=failed.status, media_type=failed.content_type)
+            break
+        while self.prefill is not None:
             try:
                 prefill_backend, kv_transfer_params = await self.run_prefill(endpoint, body, headers, tried_prefill)
             except ClientAnswer as answer:
@@ -285,10 +295,10 @@ class DisaggProxy:
             backend.mark_failed(_describe(e))
 
     async def health(self) -> tuple[int, dict]:
-        backends = self.prefill.backends + self.decode.backends
+        pools = [("prefill", self.prefill), ("decode", self.decode)] if self.prefill else [("decode", self.decode)]
+        backends = [b for _, pool in pools for b in pool.backends]
         await asyncio.gather(*(self.check_backend(b) for b in backends))
-        report = {role: {b.url: (b.error or "ok") for b in pool.backends}
-                  for role, pool in (("prefill", self.prefill), ("decode", self.decode))}
+        report = {role: {b.url: (b.error or "ok") for b in pool.backends} for role, pool in pools}
         down = [f"{b.role} {b.url} ({b.error})" for b in backends if not b.healthy]
         if not down:
             return 200, {"status": "ok", **report}
@@ -390,8 +400,9 @@ def build_proxy_app(proxy: DisaggProxy):
 def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("proxy", help="route OpenAI requests over prefill and decode instances "
                        "(prefill/decode disaggregation)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prefill", action="append", required=True, metavar="URL[,URL]",
-                   help="prefill instance(s) (`minivllm serve --kv-transfer-role producer`); repeatable")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[,URL]",
+                   help="prefill instance(s) (`minivllm serve --kv-transfer-role producer`); repeatable. Without "
+                        "any, the proxy balances requests over the --decode instances as ordinary ones")
     p.add_argument("--decode", action="append", required=True, metavar="URL[,URL]",
                    help="decode instance(s) (`minivllm serve --kv-transfer-role consumer`); repeatable")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -416,7 +427,8 @@ def run_proxy(args: argparse.Namespace) -> int:
                         connect_timeout=args.connect_timeout)
     app = build_proxy_app(proxy)
     logger.warning("proxy at http://%s:%d: prefill %s, decode %s", args.host, args.port,
-                   [b.url for b in proxy.prefill.backends], [b.url for b in proxy.decode.backends])
+                   [b.url for b in proxy.prefill.backends] if proxy.prefill else "none (colocated)",
+                   [b.url for b in proxy.decode.backends])
     config = uvicorn.Config(app, host=args.host, port=args.port, loop=uvicorn_loop(),
                             log_level=args.uvicorn_log_level, timeout_keep_alive=5)
     server = uvicorn.Server(config)

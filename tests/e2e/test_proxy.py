@@ -78,3 +78,23 @@ def test_a_request_no_prefill_instance_can_serve_gets_a_clear_error(plain_server
 
 def plain_server_model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
+
+
+def test_without_prefill_instances_the_proxy_balances_ordinary_ones(plain_server: ServerProcess) -> None:
+    """Colocated mode (the baseline `bench compare` puts behind the same proxy): the answer is the
+    instance's own, streamed or not."""
+    proxy = ProxyProcess([], [plain_server.url])
+    try:
+        direct = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        routed = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        model = plain_server_model(direct)
+        kwargs = dict(model=model, prompt="The quick brown fox", max_tokens=12, temperature=0.0,
+                      extra_body={"ignore_eos": True})
+        expected = direct.completions.create(**kwargs).choices[0].text
+        assert routed.completions.create(**kwargs).choices[0].text == expected
+        chunks = routed.completions.create(**kwargs, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        status, body = get(proxy.url + "/health")
+        assert status == 200 and "prefill" not in body
+    finally:
+        assert proxy.stop() == 0
