@@ -70,3 +70,25 @@ def test_held_blocks_nobody_pulls_are_released_after_the_hold_timeout() -> None:
         assert server.take_released() == {"p1"}
     finally:
         server.close()
+
+
+def test_a_cancelled_pull_writes_nothing_and_reports_nothing() -> None:
+    """The scheduler gave up on a request (its blocks went to others): its pull stops writing."""
+    producer = [torch.randn(SHAPE)]
+    consumer = [torch.zeros(SHAPE)]
+    port = free_port()
+    server = KVBlockServer(producer, "127.0.0.1", port)
+    puller = KVBlockPuller(consumer, timeout_s=5.0)
+    try:
+        server.hold("p1", [1, 2])
+        puller.cancel(["d1"])
+        puller.start(PullJob("d1", "p1", f"tcp://127.0.0.1:{port}", [1, 2], [3, 4]))
+        server.hold("p2", [5])
+        puller.start(PullJob("d2", "p2", f"tcp://127.0.0.1:{port}", [5], [6]))
+        assert wait_for(puller) == ({"d2"}, {})  # the later job ran; the cancelled one left no trace
+        assert not consumer[0][:, [3, 4]].any() and torch.equal(consumer[0][:, 6], producer[0][:, 5])
+        server.drop(["p1"])
+        assert "p1" not in server.take_released()
+    finally:
+        puller.close()
+        server.close()

@@ -87,6 +87,7 @@ class KVBlockServer:
         self.lock = threading.Lock()
         self.held: dict[str, HeldRequest] = {}
         self.released: set[str] = set()  # pulled or expired: their blocks may be freed
+        self.send_lock = threading.Lock()  # held while reading a request's blocks
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -104,6 +105,14 @@ class KVBlockServer:
         """Keep these blocks for a consumer to pull (until pulled or hold_timeout_s)."""
         with self.lock:
             self.held[req_id] = HeldRequest(list(block_ids), time.monotonic() + self.hold_timeout_s)
+
+    def drop(self, req_ids: list[str]) -> None:
+        """Forget these holds (the scheduler freed their blocks): never read those blocks again.
+        Takes the send lock, so no gather of them is in progress once this returns."""
+        with self.send_lock, self.lock:
+            for req_id in req_ids:
+                self.held.pop(req_id, None)
+                self.released.discard(req_id)
 
     def take_released(self) -> set[str]:
         """Requests whose held blocks are done with (sent, or expired) since the last call."""
@@ -145,34 +154,40 @@ class KVBlockServer:
                 self.socket.send_multipart([identity, _encode(PullError(request.req_id, f"{type(e).__name__}: {e}"))])
 
     def _send_blocks(self, identity: bytes, request: PullRequest) -> None:
-        with self.lock:
-            held = self.held.get(request.req_id)
-        if held is None:
-            self.socket.send_multipart([identity, _encode(PullError(
-                request.req_id, "this instance holds no KV for the request (never prefilled here, already pulled, "
-                "or its hold timed out)"))])
-            return
-        if request.block_ids != held.block_ids:
-            self.socket.send_multipart([identity, _encode(PullError(
-                request.req_id, f"asked for blocks {request.block_ids[:8]}..., but the request holds "
-                f"{held.block_ids[:8]}..."))])
-            return
-        num_layers = len(self.kv_caches)
-        for layer, kv_cache in enumerate(self.kv_caches):
-            keys, values = gather_blocks(kv_cache, held.block_ids)
+        with self.send_lock:
+            error = None
+            with self.lock:
+                held = self.held.get(request.req_id)
+            if held is None:
+                error = ("this instance holds no KV for the request (never prefilled here, already pulled, or its "
+                         "hold timed out)")
+            elif request.block_ids != held.block_ids:
+                error = f"asked for blocks {request.block_ids[:8]}..., but the request holds {held.block_ids[:8]}..."
+            if error is not None:
+                self.socket.send_multipart([identity, _encode(PullError(request.req_id, error))])
+                return
+            # Gathered into host copies (on CUDA one device-to-host copy per layer) while the lock
+            # keeps the blocks ours; then the blocks may go.
+            layers = [gather_blocks(kv_cache, held.block_ids) for kv_cache in self.kv_caches]
+            with self.lock:
+                if self.held.pop(request.req_id, None) is not None:
+                    self.released.add(request.req_id)
+        num_layers = len(layers)
+        for layer, (keys, values) in enumerate(layers):
             header = LayerHeader(request.req_id, layer, num_layers, str(keys.dtype).removeprefix("torch."),
                                  list(keys.shape))
             # copy=False: ZMQ sends straight from the tensors' memory (they stay alive until sent).
             self.socket.send_multipart([identity, _encode(header), as_bytes(keys), as_bytes(values)], copy=False)
-        with self.lock:  # gathered into host copies: the blocks themselves may go
-            if self.held.pop(request.req_id, None) is not None:
-                self.released.add(request.req_id)
 
     def close(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=2.0)
         self.socket.close(linger=0)
         self.context.term()
+
+
+class _Cancelled(Exception):
+    pass
 
 
 @dataclass
@@ -194,18 +209,26 @@ class KVBlockPuller:
         self.lock = threading.Lock()
         self.done: set[str] = set()
         self.failed: dict[str, str] = {}
+        self.cancelled: set[str] = set()
+        self.scatter_lock = threading.Lock()
         self.context = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
         self.device = kv_caches[0].device if kv_caches else torch.device("cpu")
         # On CUDA the host-to-device copies run on their own stream, beside the model's.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.bytes_received = 0
-        self.seconds_receiving = 0.0
+        # (request id, bytes, seconds from pull request to the last layer in the cache) per pull.
+        self.transfers: list[tuple[str, int, float]] = []
         self.thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
         self.thread.start()
 
     def start(self, job: PullJob) -> None:
         self.jobs.put(job)
+
+    def cancel(self, req_ids: list[str]) -> None:
+        """Stop pulling these (their blocks were freed): once this returns, nothing more of them
+        is written into the cache (a layer being scattered finishes first, under the lock)."""
+        with self.scatter_lock:
+            self.cancelled.update(req_ids)
 
     def take_finished(self) -> tuple[set[str], dict[str, str]]:
         """Requests whose KV arrived, and those that failed (id -> why), since the last call."""
@@ -213,6 +236,11 @@ class KVBlockPuller:
             done, failed = self.done, self.failed
             self.done, self.failed = set(), {}
         return done, failed
+
+    def take_transfers(self) -> list[tuple[str, int, float]]:
+        with self.lock:
+            transfers, self.transfers = self.transfers, []
+        return transfers
 
     def _socket(self, address: str) -> zmq.Socket:
         socket = self.sockets.get(address)
@@ -232,7 +260,14 @@ class KVBlockPuller:
         while (job := self.jobs.get()) is not None:
             start = time.perf_counter()
             try:
+                if job.req_id in self.cancelled:
+                    raise _Cancelled()
                 received = self._pull(job)
+            except _Cancelled:
+                self._drop_socket(job.address)
+                with self.scatter_lock:
+                    self.cancelled.discard(job.req_id)
+                continue
             except Exception as e:  # noqa: BLE001 - the request fails, the thread goes on
                 self._drop_socket(job.address)  # late answers of this pull must not reach the next one
                 logger.warning("request %s: pulling its KV from %s failed: %s", job.req_id, job.address, e)
@@ -241,8 +276,7 @@ class KVBlockPuller:
                 continue
             with self.lock:
                 self.done.add(job.req_id)
-                self.bytes_received += received
-                self.seconds_receiving += time.perf_counter() - start
+                self.transfers.append((job.req_id, received, time.perf_counter() - start))
 
     def _pull(self, job: PullJob) -> int:
         if len(job.remote_block_ids) != len(job.local_block_ids):
@@ -275,7 +309,10 @@ class KVBlockPuller:
             dtype = _DTYPES[reply.dtype]
             keys = torch.frombuffer(frames[1].buffer, dtype=dtype).view(reply.shape)
             values = torch.frombuffer(frames[2].buffer, dtype=dtype).view(reply.shape)
-            self._scatter(kv_cache, index, keys, values)
+            with self.scatter_lock:
+                if job.req_id in self.cancelled:
+                    raise _Cancelled()
+                self._scatter(kv_cache, index, keys, values)
             received += frames[1].buffer.nbytes + frames[2].buffer.nbytes
             layers_seen += 1
         if self.stream is not None:
