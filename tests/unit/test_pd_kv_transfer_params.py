@@ -55,3 +55,21 @@ def test_finished_outputs_carry_the_connectors_kv_transfer_params() -> None:
     state = RequestState("s", None, [5], None, params=SamplingParams(max_tokens=1))
     state.update(EngineCoreOutput("s", [9], finish_reason="length", kv_transfer_params=params))
     assert state.to_stream_output(RequestOutputKind.DELTA).kv_transfer_params == params
+
+
+def test_kv_transfer_role_is_sugar_for_kv_transfer_config() -> None:
+    from minivllm.frontend.cli import build_parser
+    from minivllm.frontend.server.args import resolve_kv_transfer_config
+
+    def resolve(*argv: str):
+        return resolve_kv_transfer_config(build_parser().parse_args(["serve", "--model", "m", *argv]))
+
+    assert resolve() is None
+    assert resolve("--kv-transfer-role", "producer", "--kv-port", "15000") == {
+        "kv_role": "kv_producer", "kv_connector": "ZmqTcpConnector", "kv_port": 15000}
+    assert resolve("--kv-transfer-role", "consumer", "--kv-transfer-config", '{"kv_connector": "X"}') == {
+        "kv_role": "kv_consumer", "kv_connector": "X"}
+    with pytest.raises(ValueError, match="means kv_role 'kv_producer'"):
+        resolve("--kv-transfer-role", "producer", "--kv-transfer-config", '{"kv_connector": "X", "kv_role": "kv_consumer"}')
+    with pytest.raises(ValueError, match="need --kv-transfer-role"):
+        resolve("--kv-port", "1")
