@@ -58,6 +58,11 @@ KV_CONNECTORS: dict[str, tuple[str, str]] = {
         "minivllm.core.kv_connector.offloading:OffloadingConnectorScheduler",
         "minivllm.worker.kv_connector.offloading:OffloadingConnectorWorker",
     ),
+    # Prefill/decode disaggregation over ZMQ/TCP raw frames (core/ and worker/kv_connector/pd_*).
+    "ZmqTcpConnector": (
+        "minivllm.core.kv_connector.pd_connector:PDConnectorScheduler",
+        "minivllm.worker.kv_connector.pd_connector:PDConnectorWorker",
+    ),
 }
 # What kv_offloading_size alone selects (as in vLLM, the CPU offload tier is a connector inside).
 OFFLOADING_CONNECTOR = "OffloadingConnector"

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from minivllm.frontend.async_llm import AsyncLLM
-from minivllm.frontend.core_client import EngineDeadError, EngineOverloadedError
+from minivllm.frontend.core_client import EngineDeadError, EngineOverloadedError, KVTransferError
 from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.outputs import RequestOutput
 from minivllm.frontend.server.errors import APIError
@@ -51,6 +51,8 @@ def as_api_error(error: BaseException) -> APIError:
         return APIError(HTTPStatus.BAD_REQUEST, str(error))
     if isinstance(error, EngineOverloadedError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is overloaded, try again later: {error}")
+    if isinstance(error, KVTransferError):  # the producer failed; a proxy may retry on another
+        return APIError(HTTPStatus.BAD_GATEWAY, f"KV transfer failed: {error}")
     if isinstance(error, EngineDeadError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is dead: {error}")
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")

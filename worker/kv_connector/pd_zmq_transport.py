@@ -88,6 +88,8 @@ class KVBlockServer:
         self.held: dict[str, HeldRequest] = {}
         self.released: set[str] = set()  # pulled or expired: their blocks may be freed
         self.send_lock = threading.Lock()  # held while reading a request's blocks
+        self.hold_grace_s = 10.0
+        self.waiting: list[tuple[bytes, PullRequest, float]] = []  # pulls that came before their hold
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -133,7 +135,8 @@ class KVBlockServer:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         while not self.stopped.is_set():
-            if not poller.poll(100):
+            self._retry_waiting()
+            if not poller.poll(20 if self.waiting else 100):
                 with self.lock:
                     self._expire()
                 continue
@@ -148,10 +151,33 @@ class KVBlockServer:
                     return
                 raise
             try:
+                with self.lock:
+                    known = request.req_id in self.held
+                if not known:
+                    # The pull may overtake the hold: the producer's scheduler tells its worker
+                    # to hold a finished prefill's blocks with its next step. Wait a little.
+                    self.waiting.append((identity, request, time.monotonic() + self.hold_grace_s))
+                    continue
                 self._send_blocks(identity, request)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
                 logger.exception("KV server: sending %s failed", request.req_id)
                 self.socket.send_multipart([identity, _encode(PullError(request.req_id, f"{type(e).__name__}: {e}"))])
+
+    def _retry_waiting(self) -> None:
+        """Serve the pulls that arrived before their hold, once it is there (or refuse them once
+        hold_grace_s has passed)."""
+        if not self.waiting:
+            return
+        now = time.monotonic()
+        still = []
+        for identity, request, deadline in self.waiting:
+            with self.lock:
+                known = request.req_id in self.held
+            if known or deadline < now:
+                self._send_blocks(identity, request)
+            else:
+                still.append((identity, request, deadline))
+        self.waiting = still
 
     def _send_blocks(self, identity: bytes, request: PullRequest) -> None:
         with self.send_lock:
@@ -161,14 +187,15 @@ class KVBlockServer:
             if held is None:
                 error = ("this instance holds no KV for the request (never prefilled here, already pulled, or its "
                          "hold timed out)")
-            elif request.block_ids != held.block_ids:
+            elif not set(request.block_ids) <= set(held.block_ids):
+                # (A subset is fine: the consumer pulls only what its own prefix cache lacks.)
                 error = f"asked for blocks {request.block_ids[:8]}..., but the request holds {held.block_ids[:8]}..."
             if error is not None:
                 self.socket.send_multipart([identity, _encode(PullError(request.req_id, error))])
                 return
             # Gathered into host copies (on CUDA one device-to-host copy per layer) while the lock
             # keeps the blocks ours; then the blocks may go.
-            layers = [gather_blocks(kv_cache, held.block_ids) for kv_cache in self.kv_caches]
+            layers = [gather_blocks(kv_cache, request.block_ids) for kv_cache in self.kv_caches]
             with self.lock:
                 if self.held.pop(request.req_id, None) is not None:
                     self.released.add(request.req_id)
