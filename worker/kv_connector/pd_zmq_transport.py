@@ -89,6 +89,7 @@ class KVBlockServer:
         self.released: set[str] = set()  # pulled or expired: their blocks may be freed
         self.send_lock = threading.Lock()  # held while reading a request's blocks
         self.hold_grace_s = 10.0
+        self.gone: dict[str, None] = {}  # recently pulled / expired / dropped ids (refused at once), oldest first
         self.waiting: list[tuple[bytes, PullRequest, float]] = []  # pulls that came before their hold
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -115,6 +116,7 @@ class KVBlockServer:
             for req_id in req_ids:
                 self.held.pop(req_id, None)
                 self.released.discard(req_id)
+                self._forget(req_id)
 
     def take_released(self) -> set[str]:
         """Requests whose held blocks are done with (sent, or expired) since the last call."""
@@ -130,6 +132,7 @@ class KVBlockServer:
                            self.hold_timeout_s)
             del self.held[req_id]
             self.released.add(req_id)
+            self._forget(req_id)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -152,8 +155,8 @@ class KVBlockServer:
                 raise
             try:
                 with self.lock:
-                    known = request.req_id in self.held
-                if not known:
+                    waits = request.req_id not in self.held and request.req_id not in self.gone
+                if waits:
                     # The pull may overtake the hold: the producer's scheduler tells its worker
                     # to hold a finished prefill's blocks with its next step. Wait a little.
                     self.waiting.append((identity, request, time.monotonic() + self.hold_grace_s))
@@ -162,6 +165,12 @@ class KVBlockServer:
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
                 logger.exception("KV server: sending %s failed", request.req_id)
                 self.socket.send_multipart([identity, _encode(PullError(request.req_id, f"{type(e).__name__}: {e}"))])
+
+    def _forget(self, req_id: str) -> None:
+        """Remember (a bounded number of) ids whose blocks are gone, to refuse their pulls at once."""
+        self.gone[req_id] = None
+        while len(self.gone) > 100_000:
+            del self.gone[next(iter(self.gone))]
 
     def _retry_waiting(self) -> None:
         """Serve the pulls that arrived before their hold, once it is there (or refuse them once
@@ -199,6 +208,7 @@ class KVBlockServer:
             with self.lock:
                 if self.held.pop(request.req_id, None) is not None:
                     self.released.add(request.req_id)
+                    self._forget(request.req_id)
         num_layers = len(layers)
         for layer, (keys, values) in enumerate(layers):
             header = LayerHeader(request.req_id, layer, num_layers, str(keys.dtype).removeprefix("torch."),
