@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -155,6 +155,9 @@ class BlockPool:
         # One block per hash: if two requests compute the same block at once, only the first
         # is registered; the second stays a private (uncached) block.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Told of every cached block about to lose its hash to eviction (its KV still intact): the
+        # CPU offload tier spills it. None (no offloading): nothing is called.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     # ------------------------------------------------------------------ allocation
 
@@ -218,6 +221,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
 

@@ -175,7 +175,8 @@ class EngineCore:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
-        if scheduler_output.total_num_scheduled_tokens > 0:
+        # (A step carrying KV connector metadata goes to the workers even with no tokens.)
+        if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.kv_connector_metadata is not None:
             model_output = self.executor.execute_model(scheduler_output)
         else:
             model_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -192,7 +193,7 @@ class EngineCore:
         submitted = False
         if self.scheduler.has_unfinished_requests() and len(self.steps_in_flight) < 2:
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens > 0:
+            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.kv_connector_metadata is not None:
                 self.executor.submit(scheduler_output)
                 self.steps_in_flight.append(scheduler_output)
                 submitted = True

@@ -91,6 +91,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        delay_cache_blocks: bool = False,
     ) -> list[int] | None:
         """Make room for KV of tokens [0, num_computed_tokens + num_new_computed_tokens +
         num_new_tokens), taking `new_computed_blocks` (a prefix-cache hit holding the next
@@ -99,6 +100,10 @@ class KVCacheManager:
         Returns the ids of the freshly allocated blocks appended to the request's block table
         (maybe none; hit blocks are not among them), or None, changing nothing — no ref count,
         no queue position — when the pool cannot supply them all.
+
+        delay_cache_blocks: the new tokens' KV is loaded asynchronously by a KV connector, so
+        their blocks must not be offered to other requests yet (the request's next allocation,
+        after the load, registers them).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -120,7 +125,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self._cache_full_blocks(request, blocks, num_computed_tokens + num_new_tokens)
         return [block.block_id for block in new_blocks]
 
@@ -144,8 +149,15 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks to the pool (a no-op if it holds none)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.free_blocks(self.take_blocks(request))
+
+    def take_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request, handing its blocks (still referenced) to the caller, who frees
+        them later with free_blocks (a KV connector still reads or writes them)."""
         self.num_cached_blocks.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         # Tail first: a request's last blocks are the least likely to be shared (a prefix is
         # shared from its start), so they are queued to be evicted first.
         self.block_pool.free_blocks(reversed(blocks))

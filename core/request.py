@@ -11,8 +11,11 @@ from minivllm.protocol.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    # Pushed back to waiting by recompute-preemption; scheduled like WAITING.
+    # Pushed back to waiting by preemption; scheduled like WAITING.
     PREEMPTED = enum.auto()
+    # Holds blocks into which a KV connector is loading its KV asynchronously; not scheduled
+    # until the worker reports the load finished (vLLM's name).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     # Everything after this point is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
@@ -42,6 +45,7 @@ class Request:
         eos_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +73,11 @@ class Request:
         self.block_hashes: list[bytes] = []
         # The stop token id that finished the request, if one did.
         self.stop_reason: int | None = None
+        # KV connector state: the client's (untrusted) parameters; while WAITING_FOR_REMOTE_KVS,
+        # the tokens being loaded past num_computed_tokens and when the scheduler gives up on them.
+        self.kv_transfer_params = kv_transfer_params
+        self.num_loading_tokens = 0
+        self.kv_transfer_deadline = 0.0
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
@@ -80,6 +89,7 @@ class Request:
             eos_token_ids=request.eos_token_ids,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            kv_transfer_params=request.kv_transfer_params,
         )
 
     @property

@@ -13,6 +13,11 @@ range reaches `num_tokens` gets one sampled token back from the worker.
   most of the recomputation.
 - scheduling_policy="v0" is the pre-V1 scheduler, kept to compare against: a step either
   prefills whole prompts of waiting requests (and nothing else), or decodes every running one.
+- With a KV connector (core/kv_connector/base.py has the contract) a request being admitted may
+  take tokens' KV from outside (the CPU offload tier, a swapped-out copy of its own KV, another
+  engine); when that KV arrives asynchronously the request waits in WAITING_FOR_REMOTE_KVS
+  holding its blocks. A finished request's blocks may stay held until the connector has sent
+  them. Without a connector none of this code runs.
 """
 
 from __future__ import annotations
@@ -21,17 +26,24 @@ import bisect
 import heapq
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
+
+from minivllm.core.block_pool import KVCacheBlock
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.kv_connector import make_scheduler_connector
 from minivllm.core.request import Request, RequestStatus
 from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from minivllm.protocol.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreRequest,
+    ERROR_KV_TRANSFER,
     EngineStats,
     ModelRunnerOutput,
     NewRequestData,
@@ -39,6 +51,7 @@ from minivllm.protocol.messages import (
 )
 
 logger = logging.getLogger(__name__)
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def _priority_key(request: Request) -> tuple[int, float, int]:
@@ -157,6 +170,20 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.num_finished_reqs = 0
 
+        # KV connector (None: none configured, and none of the state below is ever used).
+        self.connector = make_scheduler_connector(config, num_gpu_blocks)
+        if self.connector is not None:
+            self.connector.bind_block_pool(self.kv_cache_manager.block_pool)
+        # Requests in WAITING_FOR_REMOTE_KVS, by id.
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        # Finished requests whose blocks the connector still reads (a send) or writes (a load in
+        # flight when they were aborted): id -> (blocks, deadline).
+        self.held_blocks: dict[str, tuple[list[KVCacheBlock], float]] = {}
+        # Ids whose transfers were given up on, for the next KVConnectorMetadata.
+        self.expired_req_ids: list[str] = []
+        # Outputs of requests the connector failed, for the next update_from_output.
+        self.kv_failed_outputs: list[EngineCoreOutput] = []
+
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, engine_core_request: EngineCoreRequest) -> None:
@@ -179,6 +206,11 @@ class Scheduler:
                 f"request {request.request_id!r} may grow to {max_num_tokens} tokens, more than the "
                 f"KV cache holds ({self.num_gpu_blocks} blocks x {self.block_size} tokens)"
             )
+        if self.connector is not None:
+            if request.request_id in self.held_blocks:
+                raise ValueError(f"request id {request.request_id!r} is still in use (its KV is being "
+                                 "transferred); give each request its own id")
+            self.connector.validate_kv_transfer_params(request)
         request.arrival_order = next(self._arrival_counter)
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -196,31 +228,40 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:  # unknown, finished, or already aborted (a repeated id)
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif loading:
+                del self.waiting_for_remote_kvs[request_id]
             else:
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ABORTED
-            self._free_request(request)
+            kv_transfer_params = self._free_request(request, load_in_flight=loading)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=[],
                     finish_reason=request.finish_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether steps are still needed: live requests, or blocks held for a KV transfer."""
+        return bool(self.requests) or bool(self.held_blocks)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; only while no request holds blocks. Returns success."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        if self.connector is not None:
+            self.connector.reset_prefix_cache()
+        return True
 
     def make_stats(self) -> EngineStats:
         manager = self.kv_cache_manager
@@ -240,6 +281,8 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None and (self.waiting_for_remote_kvs or self.held_blocks):
+            self._expire_kv_transfers(time.monotonic())
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         if self.policy == "v0":
             # Prefills first, whole prompts only; a step that admits anything does nothing else.
@@ -253,7 +296,10 @@ class Scheduler:
             # admitting would only thrash.
             if not self._schedule_running(plan):
                 self._schedule_waiting(plan, whole_prompts_only=False)
-        return self._make_scheduler_output(plan)
+        scheduler_output = self._make_scheduler_output(plan)
+        if self.connector is not None:
+            self._attach_connector_metadata(scheduler_output)
+        return scheduler_output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         """Tokens to run for a request this step: what it lacks (tokens still being sampled
@@ -307,23 +353,44 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_external_tokens = 0
+            if request.num_computed_tokens:  # holds blocks: its KV was loaded by the connector
+                computed_blocks, num_cached_tokens = [], 0
+            else:
+                computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None and request.sampling_params.prompt_logprobs is None:
+                    num_external_tokens, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_cached_tokens)
+                    # The last known token is always computed here: its logits are needed.
+                    num_external_tokens = max(0, min(num_external_tokens, request.num_tokens - 1 - num_cached_tokens))
+                    if num_external_tokens and load_async:
+                        if not self._start_async_load(request, computed_blocks, num_cached_tokens,
+                                                      num_external_tokens):
+                            break
+                        continue
+            num_computed_tokens = request.num_computed_tokens + num_cached_tokens + num_external_tokens
             if whole_prompts_only:
-                num_new_tokens = request.num_tokens - num_cached_tokens
+                num_new_tokens = request.num_tokens - num_computed_tokens
                 if num_new_tokens > plan.token_budget:
                     break
             else:
-                num_new_tokens = self._num_new_tokens(request, num_cached_tokens, plan.token_budget)
+                num_new_tokens = self._num_new_tokens(request, num_computed_tokens, plan.token_budget)
             new_block_ids = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_cached_tokens, computed_blocks
+                request, num_external_tokens + num_new_tokens, num_cached_tokens, computed_blocks
             )
             if new_block_ids is None:
+                if request.num_computed_tokens and not self.running:
+                    self._release_loaded_blocks(but=request)  # see _release_loaded_blocks
                 break  # keep queue order: nobody jumps ahead of the head of the queue
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # first admission, not a resumption
-                request.num_cached_tokens = num_cached_tokens
+                request.num_cached_tokens = num_cached_tokens + num_external_tokens
                 self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_cached_tokens)
-            request.num_computed_tokens = num_cached_tokens
+            if num_external_tokens:  # loaded by the worker in this step, before the forward
+                request.num_computed_tokens = num_cached_tokens
+                self.connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens)
+            request.num_computed_tokens = num_computed_tokens
             request.status = RequestStatus.RUNNING
             if self.policy == "priority":
                 bisect.insort(self.running, request, key=_priority_key)
@@ -397,6 +464,10 @@ class Scheduler:
         called; a request finished here may be in it, its extra token is dropped when it arrives.
         """
         outputs: list[EngineCoreOutput] = []
+        if model_runner_output.kv_connector_output is not None:
+            self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
+        if self.kv_failed_outputs:
+            outputs, self.kv_failed_outputs = self.kv_failed_outputs, []
         finished: set[str] = set()
         scheduled = self.scheduled_requests.pop(scheduler_output.step_id, {})
         logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
@@ -412,9 +483,10 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.output_token_ids.append(token_id)
             self.num_generation_tokens += 1
+            kv_transfer_params = None
             if self._check_stop(request, token_id):
                 finished.add(request_id)
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -424,6 +496,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     new_logprobs=token_logprobs,
                     prompt_logprobs=token_prompt_logprobs,
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
         if finished:
@@ -450,8 +523,12 @@ class Scheduler:
         return request.is_finished
 
     def _preempt(self, request: Request) -> None:
-        """Recompute-preemption: drop the request's KV; it restarts from token 0 later (or from
-        past whatever of its blocks the prefix cache still holds by then)."""
+        """Preemption: drop the request's KV; it restarts from token 0 later (or from past
+        whatever of its blocks the prefix cache still holds by then). With a KV connector (swap
+        preemption) the connector may copy the KV out first and offer it back on resumption."""
+        if self.connector is not None:
+            self.connector.request_preempted(request, self.kv_cache_manager.get_block_ids(request.request_id),
+                                             min(request.num_computed_tokens, request.num_tokens))
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -467,10 +544,127 @@ class Scheduler:
             request.num_tokens,
         )
 
-    def _free_request(self, request: Request) -> None:
-        """Forget a finished request: its blocks go back now; the worker hears of it next step."""
+    def _free_request(self, request: Request, load_in_flight: bool = False) -> dict | None:
+        """Forget a finished request: its blocks go back now (or, with a KV connector, once it
+        is done with them); the worker hears of it next step. Returns the connector's
+        kv_transfer_params for the client."""
         assert request.is_finished
-        self.kv_cache_manager.free(request)
+        kv_transfer_params = None
+        if self.connector is None:
+            self.kv_cache_manager.free(request)
+        else:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
+            blocks = self.kv_cache_manager.take_blocks(request)
+            # A load in flight writes the blocks until the worker reports it (or it expires).
+            if (delay_free or load_in_flight) and blocks:
+                self.held_blocks[request.request_id] = (blocks, time.monotonic() + self.connector.transfer_timeout_s)
+            else:
+                self.kv_cache_manager.free_blocks(blocks)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
         self.num_finished_reqs += 1
+        return kv_transfer_params
+
+    # ------------------------------------------------------------------ KV connector (only with one)
+
+    def _start_async_load(self, request: Request, computed_blocks: list[KVCacheBlock], num_cached_tokens: int,
+                          num_external_tokens: int) -> bool:
+        """Give a request blocks for tokens the connector loads asynchronously and park it in
+        WAITING_FOR_REMOTE_KVS. Returns False (changing nothing) when the blocks are not there."""
+        manager = self.kv_cache_manager
+        if manager.allocate_slots(request, num_external_tokens, num_cached_tokens, computed_blocks,
+                                  delay_cache_blocks=True) is None:
+            if not self.running:
+                self._release_loaded_blocks(but=request)
+            return False
+        self.waiting.pop()
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached_tokens + num_external_tokens
+            manager.record_prefix_cache_lookup(request.num_tokens, num_cached_tokens)
+        request.num_computed_tokens = num_cached_tokens
+        request.num_loading_tokens = num_external_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.kv_transfer_deadline = time.monotonic() + self.connector.transfer_timeout_s
+        self.waiting_for_remote_kvs[request.request_id] = request
+        self.connector.update_state_after_alloc(request, manager.get_block_ids(request.request_id),
+                                                num_external_tokens)
+        return True
+
+    def _release_loaded_blocks(self, but: Request) -> None:
+        """Nothing runs and the head of the queue cannot get its blocks: give back those of
+        waiting requests whose KV was loaded but who are queued behind (they would otherwise keep
+        each other out forever); they load or compute it again when their turn comes."""
+        for request in list(self.waiting):
+            if request is not but and request.num_computed_tokens:
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+                logger.debug("released the loaded KV of waiting request %s to make room", request.request_id)
+
+    def _update_from_kv_connector_output(self, output: KVConnectorOutput) -> None:
+        self.connector.update_connector_output(output)
+        for request_id in output.finished_sending:
+            held = self.held_blocks.pop(request_id, None)
+            if held is not None:
+                self.kv_cache_manager.free_blocks(held[0])
+        received = []
+        for request_id in output.finished_recving:
+            held = self.held_blocks.pop(request_id, None)  # aborted while its KV was loading
+            if held is not None:
+                self.kv_cache_manager.free_blocks(held[0])
+            request = self.waiting_for_remote_kvs.pop(request_id, None)
+            if request is not None:
+                received.append(request)
+        # Back to the front of the queue (they hold blocks), in their order of arrival.
+        for request in sorted(received, key=lambda r: r.arrival_order, reverse=True):
+            request.num_computed_tokens += request.num_loading_tokens
+            request.num_loading_tokens = 0
+            request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            self.waiting.prepend(request)
+        for request_id in output.failed_recving:
+            held = self.held_blocks.pop(request_id, None)
+            if held is not None:
+                self.kv_cache_manager.free_blocks(held[0])
+            request = self.waiting_for_remote_kvs.pop(request_id, None)
+            if request is not None:
+                self._fail_kv_transfer(request, "its KV cache could not be loaded (the KV connector's transfer failed)")
+
+    def _fail_kv_transfer(self, request: Request, reason: str) -> None:
+        """Finish a request in WAITING_FOR_REMOTE_KVS with an error; its blocks are free to reuse
+        (the worker side drops the transfer)."""
+        logger.warning("request %s failed: %s", request.request_id, reason)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self.kv_failed_outputs.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=request.finish_reason,
+            error_type=ERROR_KV_TRANSFER, error=f"request {request.request_id!r}: {reason}"))
+
+    def _expire_kv_transfers(self, now: float) -> None:
+        """Give up on transfers past the connector's transfer_timeout_s (a dead peer): a request
+        waiting for its KV fails, held blocks are freed; the worker side is told to drop them."""
+        timeout = self.connector.transfer_timeout_s
+        for request_id, request in list(self.waiting_for_remote_kvs.items()):
+            if request.kv_transfer_deadline <= now:
+                del self.waiting_for_remote_kvs[request_id]
+                self.expired_req_ids.append(request_id)
+                self._fail_kv_transfer(request, f"its KV cache did not arrive within {timeout:g} s")
+        for request_id, (blocks, deadline) in list(self.held_blocks.items()):
+            if deadline <= now:
+                del self.held_blocks[request_id]
+                self.expired_req_ids.append(request_id)
+                self.kv_cache_manager.free_blocks(blocks)
+                logger.warning("request %s: its KV was not transferred within %g s; its blocks are freed",
+                               request_id, timeout)
+
+    def _attach_connector_metadata(self, scheduler_output: SchedulerOutput) -> None:
+        """This step's connector metadata. A step with no tokens gets some only when the worker
+        side has work or something to report; otherwise it is not sent at all, as without a
+        connector."""
+        meta = self.connector.build_connector_meta(scheduler_output)
+        if (scheduler_output.total_num_scheduled_tokens == 0 and meta is None and not self.expired_req_ids
+                and not self.waiting_for_remote_kvs and not self.held_blocks
+                and not self.connector.has_pending_work()):
+            return
+        scheduler_output.kv_connector_metadata = KVConnectorMetadata(
+            payload=b"" if meta is None else _encode(meta), expired_req_ids=self.expired_req_ids)
+        self.expired_req_ids = []

@@ -370,3 +370,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     from minivllm.frontend.bench_serve import add_bench_serve_parser
 
     add_bench_serve_parser(kinds)
+
+    from minivllm.frontend.bench_compare import add_bench_compare_parser
+
+    add_bench_compare_parser(kinds)

@@ -232,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_key_arg(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from minivllm.frontend.proxy import add_proxy_parser
+
+    add_proxy_parser(sub)
+
     from minivllm.frontend.bench import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)

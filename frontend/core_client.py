@@ -66,6 +66,10 @@ class EngineDeadError(RuntimeError):
     """The EngineCore (or one of its workers) is gone; this engine can serve no more requests."""
 
 
+class KVTransferError(RuntimeError):
+    """The request's KV could not be loaded from another instance (prefill/decode disaggregation)."""
+
+
 class EngineOverloadedError(RuntimeError):
     """The engine holds as many requests as it may (max_pending_requests) and refused this one;
     try again later. Other requests are unaffected."""
@@ -80,6 +84,8 @@ def request_error(out: EngineCoreOutput) -> Exception | None:
     message = out.error or "the engine refused the request"
     if out.error_type == ERROR_OVERLOADED:
         return EngineOverloadedError(message)
+    if out.error_type == "kv_transfer":  # messages.ERROR_KV_TRANSFER: its KV never arrived (not the client's fault)
+        return KVTransferError(message)
     return ValueError(message)
 
 

@@ -49,6 +49,10 @@ class InputProcessor:
                              "use stop_token_ids.")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need the tokenizer (this engine was made with skip_tokenizer_init=True).")
+        kv_transfer_params = self._kv_transfer_params(params)
+        if kv_transfer_params is not None:  # it travels on the request, not twice
+            rest = {k: v for k, v in params.extra_args.items() if k != "kv_transfer_params"}
+            params = msgspec.structs.replace(params, extra_args=rest or None)
         prompt_text, token_ids = self._tokenize(prompt)
         if params.bad_words:  # the engine sees token ids only; the user's params stay as given
             params = msgspec.structs.replace(params, _bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
@@ -60,9 +64,23 @@ class InputProcessor:
             eos_token_ids=list(self.info.eos_token_ids),
             priority=priority,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         validate_request(request, self.limits)
         return request, prompt_text
+
+    @staticmethod
+    def _kv_transfer_params(params: SamplingParams) -> dict[str, Any] | None:
+        """vLLM's way in for a KV connector's per-request settings: extra_args["kv_transfer_params"]."""
+        if not params.extra_args or params.extra_args.get("kv_transfer_params") is None:
+            return None
+        kv_transfer_params = params.extra_args["kv_transfer_params"]
+        if not isinstance(kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be a JSON object (dict), got {type(kv_transfer_params).__name__}.")
+        if params.n != 1:
+            # One prompt's KV goes to (or comes from) one request; n > 1 would fan it out to several.
+            raise ValueError(f"kv_transfer_params needs n=1, got n={params.n}.")
+        return dict(kv_transfer_params)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -94,6 +94,7 @@ class RequestState:
         self.prompt_logprobs: PromptLogprobsList | None = None
         self.completion = CompletionOutput(index=0, text="", token_ids=[])
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
         # What a streaming consumer has been handed already (for RequestOutputKind.DELTA).
         self.num_streamed_tokens = 0
         self.num_streamed_chars = 0
@@ -109,6 +110,8 @@ class RequestState:
         if out.finish_reason is not None:
             self.metrics.finished_time = now
         self.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         self.completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             self._add_logprobs(out.new_logprobs)
@@ -177,6 +180,7 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -214,6 +218,7 @@ class RequestState:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -56,3 +57,6 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobsList | None = None  # when SamplingParams.prompt_logprobs is set
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # From the KV connector, with the finished output (vLLM's name): on a prefill instance, what a
+    # decode instance's request needs to pull this request's KV (see EngineCoreOutput).
+    kv_transfer_params: dict[str, Any] | None = None

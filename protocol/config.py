@@ -229,16 +229,61 @@ def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 
 def _check_kv_transfer(kv_offloading_size: float | None, preemption_mode: str | None,
                        kv_transfer_config: KVTransferConfig | dict | None) -> KVTransferConfig | None:
-    """Validate the KV transfer settings; a dict kv_transfer_config (as from JSON) becomes a KVTransferConfig."""
+    """Validate the KV transfer settings; a dict kv_transfer_config (as from JSON) becomes a KVTransferConfig.
+
+    kv_offloading_size alone turns on the CPU offload tier (internally the OffloadingConnector);
+    preemption_mode="swap" swaps preempted requests' KV into that tier. kv_transfer_config selects
+    a KV connector by name (protocol/kv_transfer.py KV_CONNECTORS); one connector at a time."""
+    from minivllm.protocol.kv_transfer import KV_CONNECTORS, OFFLOADING_CONNECTOR
+
     if kv_offloading_size is not None:
-        raise ValueError("kv_offloading_size is not supported yet; leave it unset.")
+        if isinstance(kv_offloading_size, bool) or not isinstance(kv_offloading_size, (int, float)) \
+                or not kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size (GiB of host memory for the CPU KV tier) must be a number > 0, "
+                             f"got {kv_offloading_size!r}.")
+        total_gib = _host_memory_gib()
+        if total_gib is not None and kv_offloading_size > total_gib:
+            raise ValueError(f"kv_offloading_size={kv_offloading_size:g} GiB is more than this host's memory "
+                             f"({total_gib:.1f} GiB); use a value in (0, {total_gib:.1f}].")
     if preemption_mode is not None:
         _check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
-        if preemption_mode == "swap":
-            raise ValueError("preemption_mode='swap' is not supported yet; use 'recompute'.")
-    if kv_transfer_config is not None:
-        raise ValueError("kv_transfer_config is not supported yet; leave it unset.")
-    return None
+        if preemption_mode == "swap" and kv_offloading_size is None:
+            raise ValueError("preemption_mode='swap' moves preempted KV to host memory: set kv_offloading_size "
+                             "(GiB of host memory) too, or use 'recompute'.")
+    if kv_transfer_config is None:
+        return None
+    if isinstance(kv_transfer_config, dict):
+        try:
+            kv_transfer_config = msgspec.convert(kv_transfer_config, KVTransferConfig)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid kv_transfer_config: {e}") from None
+    elif not isinstance(kv_transfer_config, KVTransferConfig):
+        raise ValueError(f"kv_transfer_config must be a KVTransferConfig or a dict, got {type(kv_transfer_config).__name__}.")
+    if kv_transfer_config.kv_connector not in KV_CONNECTORS:
+        raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(sorted(KV_CONNECTORS))}; "
+                         f"got {kv_transfer_config.kv_connector!r}.")
+    _check_choice("kv_transfer_config.kv_role", kv_transfer_config.kv_role, KV_ROLES)
+    if not 1 <= kv_transfer_config.kv_port <= 65535:
+        raise ValueError(f"kv_transfer_config.kv_port must be in [1, 65535], got {kv_transfer_config.kv_port}.")
+    timeout = kv_transfer_config.kv_connector_extra_config.get("transfer_timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"kv_connector_extra_config['transfer_timeout_s'] must be a number > 0 (seconds), got {timeout!r}.")
+    if kv_transfer_config.kv_connector == OFFLOADING_CONNECTOR:
+        if kv_offloading_size is None:
+            raise ValueError(f"{OFFLOADING_CONNECTOR} needs kv_offloading_size (GiB of host memory); set it "
+                             "(it alone selects the connector, kv_transfer_config is not needed).")
+    elif kv_offloading_size is not None:
+        raise ValueError(f"kv_offloading_size (the CPU offload tier) and kv_transfer_config "
+                         f"({kv_transfer_config.kv_connector}) each need a KV connector, and one engine runs one; "
+                         "unset one of them.")
+    return kv_transfer_config
+
+
+def _host_memory_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _check_distributed(distributed_executor_backend: str, data_parallel_size: int, tensor_parallel_size: int = 1,

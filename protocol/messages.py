@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from minivllm.protocol.config import DEFAULT_MAX_PENDING_REQUESTS
+from minivllm.protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from minivllm.protocol.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- frontend -> EngineCore
@@ -67,6 +68,7 @@ FINISH_ABORT = "abort"
 # Why the engine refused a request (EngineCoreOutput.error_type); it then finishes as "abort".
 ERROR_INVALID = "invalid"  # its values failed validation (protocol/validation.py): ValueError
 ERROR_OVERLOADED = "overloaded"  # the engine holds max_pending_requests already: EngineOverloadedError
+ERROR_KV_TRANSFER = "kv_transfer"  # its KV never arrived (the KV connector's load failed or timed out)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -210,6 +212,9 @@ class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
     # Counts the scheduler's steps, so the EngineCore can match a step's tokens to it when several
     # steps are in flight (async scheduling).
     step_id: int = 0
+    # Set only when a KV connector is configured (protocol/kv_transfer.py): the step's KV
+    # transfer instructions. A step carrying it goes to the workers even with no tokens scheduled.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 class WorkerCall(msgspec.Struct, tag="call"):
@@ -234,6 +239,8 @@ class ModelRunnerOutput(msgspec.Struct, tag="output"):
     # Parallel to req_ids when a request whose prompt just finished asked for prompt_logprobs. The
     # worker gathers them chunk by chunk and sends them all with the prompt's first sampled token.
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    # With a KV connector: the transfers that completed (rides on whichever output goes out next).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class WorkerReply(msgspec.Struct, tag="reply", omit_defaults=True):

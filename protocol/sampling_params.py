@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -66,6 +67,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     # Only the frontend reads it (the engine streams token ids either way); an int on the wire.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Arguments for extensions, as vLLM's extra_args; the engine reads "kv_transfer_params" (a dict for
+    # the configured KV connector: see EngineCoreRequest.kv_transfer_params) and ignores the rest.
+    extra_args: dict[str, Any] | None = None
     # Set by the frontend from bad_words (the engine knows no strings); not for users.
     _bad_words_token_ids: list[list[int]] | None = None
 
@@ -82,6 +86,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         # As vLLM: a temperature too small to divide logits by safely means greedy.
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}.")
         # The ranges live in protocol/validation.py, shared with the engine's checks of its socket.
         validate_sampling_params(self)
 

@@ -33,6 +33,7 @@ from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
 from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs
 from minivllm.worker.input_batch import InputBatch, StepInputs
+from minivllm.worker.kv_connector import make_kv_connector_driver
 from minivllm.worker.logits_processors import apply_logits_processors
 from minivllm.worker.logprobs import sampled_logprobs
 from minivllm.worker.models.loader import describe, load_model
@@ -120,6 +121,12 @@ class ModelRunner:
                                         pin_memory=self.device.type == "cuda")
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        # KV connector (worker/kv_connector/): when one is configured its hooks wrap every step;
+        # when none is, run_step stays the plain method.
+        self.kv_connector = make_kv_connector_driver(config, rank, self.device)
+        if self.kv_connector is not None:
+            plain_run_step = self.run_step
+            self.run_step = lambda scheduler_output: self.kv_connector.run_step(plain_run_step, scheduler_output)
 
     # ------------------------------------------------------------ KV cache
 
@@ -210,6 +217,8 @@ class ModelRunner:
         in the cache's address)."""
         self.kv_caches = [self.kv_layout.allocate(num_blocks, self.device) for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             with torch.inference_mode():
                 self.graphs = StepGraphs(self._forward, self.buffers, self.config.max_num_seqs,

@@ -48,7 +48,9 @@ def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
     if args.engine_address:  # a keyed engine (--engine-key-file / $MINIVLLM_ENGINE_KEY) needs its key
         return AsyncLLM(engine_address=args.engine_address,
                         engine_key=resolve_engine_key(key_file=args.engine_key_file))
-    return AsyncLLM(args.model, **engine_kwargs(args))
+    from minivllm.frontend.server.args import resolve_kv_transfer_config
+
+    return AsyncLLM(args.model, **{**engine_kwargs(args), "kv_transfer_config": resolve_kv_transfer_config(args)})
 
 
 def load_chat_template(value: str | None) -> str | None:

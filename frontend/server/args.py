@@ -7,6 +7,12 @@ import argparse
 
 API_KEY_ENV = "MINIVLLM_API_KEY"
 
+# `--kv-transfer-role` -> vLLM's kv_role, and the prefill/decode connectors it picks from.
+KV_TRANSFER_ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}
+# Over ZMQ/TCP as raw buffer frames (on GPUs through host memory; an NCCL GPU-to-GPU connector
+# is not built yet, so the role picks this one on every device).
+ZMQ_PD_CONNECTOR = "ZmqTcpConnector"
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (the engine's come from cli.add_engine_args)."""
@@ -28,3 +34,36 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     g.add_argument("--engine-address", default=None,
                    help="attach to a running `minivllm engine` at this address instead of starting one")
+    k = parser.add_argument_group("prefill/decode disaggregation")
+    k.add_argument("--kv-transfer-role", default=None, choices=sorted(KV_TRANSFER_ROLES),
+                   help="producer: a prefill instance that keeps a finished prompt's KV for a decode instance "
+                        "to pull; consumer: a decode instance that pulls it (see `minivllm proxy`). Short for "
+                        f"--kv-transfer-config with kv_role kv_producer / kv_consumer and the connector "
+                        f"{ZMQ_PD_CONNECTOR}")
+    k.add_argument("--kv-ip", default=None,
+                   help="producer: the address its KV server listens on and tells decode instances "
+                        "(default 127.0.0.1)")
+    k.add_argument("--kv-port", type=int, default=None,
+                   help="producer: the KV server's first port (tensor-parallel rank r uses port + r; default 14579)")
+
+
+def resolve_kv_transfer_config(args: argparse.Namespace) -> dict | None:
+    """--kv-transfer-role / --kv-ip / --kv-port folded into --kv-transfer-config (whose explicit
+    values win; a conflicting role is an error)."""
+    role = args.kv_transfer_role
+    config = dict(args.kv_transfer_config) if args.kv_transfer_config else None
+    if config is None and role is None:
+        if args.kv_ip is not None or args.kv_port is not None:
+            raise ValueError("--kv-ip / --kv-port need --kv-transfer-role (or --kv-transfer-config)")
+        return None
+    config = config or {}
+    if role is not None:
+        kv_role = KV_TRANSFER_ROLES[role]
+        if config.setdefault("kv_role", kv_role) != kv_role:
+            raise ValueError(f"--kv-transfer-role {role} means kv_role {kv_role!r}, but --kv-transfer-config says "
+                             f"{config['kv_role']!r}; give one of them")
+        config.setdefault("kv_connector", ZMQ_PD_CONNECTOR)
+    for key, value in (("kv_ip", args.kv_ip), ("kv_port", args.kv_port)):
+        if value is not None:
+            config.setdefault(key, value)
+    return config

@@ -14,6 +14,7 @@ _ERROR_TYPES = {
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.BAD_GATEWAY: "BadGatewayError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
 

@@ -51,6 +51,10 @@ class SamplingFields(BaseModel):
     user: str | None = None
     best_of: int | None = None
     cache_salt: str | None = None
+    # vLLM's field for disaggregated prefill: handed to the engine's KV connector (as
+    # SamplingParams.extra_args["kv_transfer_params"]); a prefill instance's answer carries the
+    # params its decode instance needs.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -78,6 +82,8 @@ class SamplingFields(BaseModel):
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA,
         )
+        if self.kv_transfer_params is not None:
+            fields["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)

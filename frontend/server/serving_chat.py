@@ -13,7 +13,8 @@ from minivllm.frontend.server.errors import bad_request
 from minivllm.frontend.server.protocol import ChatCompletionRequest, ChatMessage
 from minivllm.frontend.server.serving_completions import with_cache_salt
 from minivllm.frontend.server.serving_engine import (SSE_DONE, ChoiceState, Items, OpenAIServing, PromptRun,
-                                                     decoded, random_id, run_request, sse, usage)
+                                                     decoded, kv_transfer_params_of, random_id, run_request, sse,
+                                                     usage)
 from minivllm.protocol.sampling_params import MAX_LOGPROBS
 
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not set them.
@@ -136,7 +137,8 @@ class OpenAIServingChat:
                     if body.logprobs else None,
                     "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
             num_completion = sum(len(state.token_ids) for state in choices.values())
-            return {**head, "choices": result, "usage": usage(len(runs[0].prompt_token_ids), num_completion)}
+            return {**head, "choices": result, "usage": usage(len(runs[0].prompt_token_ids), num_completion),
+                    "kv_transfer_params": kv_transfer_params_of(runs)}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         continuous = include_usage and body.stream_options.continuous_usage_stats

@@ -12,7 +12,8 @@ from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.server.errors import bad_request
 from minivllm.frontend.server.protocol import CompletionRequest
 from minivllm.frontend.server.serving_engine import (SSE_DONE, ChoiceState, Items, OpenAIServing, PromptRun,
-                                                     decoded, random_id, run_request, sse, usage)
+                                                     decoded, kv_transfer_params_of, random_id, run_request, sse,
+                                                     usage)
 
 
 def prompts_of(prompt: Any) -> list[PromptType]:
@@ -80,6 +81,9 @@ class OpenAIServingCompletion:
         if body.suffix:
             raise bad_request("suffix is not supported.", "suffix")
         prompts = with_cache_salt(prompts_of(body.prompt), body.cache_salt)
+        if body.kv_transfer_params is not None and len(prompts) > 1:
+            raise bad_request(f"kv_transfer_params goes with one prompt; got {len(prompts)} prompts.",
+                              "kv_transfer_params")
         echo_logprobs = body.echo and body.logprobs is not None
         try:
             params = body.to_sampling_params(body.max_tokens, body.logprobs,
@@ -124,7 +128,8 @@ class OpenAIServingCompletion:
                                "finish_reason": state.finish_reason, "stop_reason": state.stop_reason})
             num_prompt = sum(len(run.prompt_token_ids) for run in runs)
             num_completion = sum(len(state.token_ids) for state in choices.values())
-            return {**head, "choices": result, "usage": usage(num_prompt, num_completion)}
+            return {**head, "choices": result, "usage": usage(num_prompt, num_completion),
+                    "kv_transfer_params": kv_transfer_params_of(runs)}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         continuous = include_usage and body.stream_options.continuous_usage_stats

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from minivllm.frontend.async_llm import AsyncLLM
-from minivllm.frontend.core_client import EngineDeadError, EngineOverloadedError
+from minivllm.frontend.core_client import EngineDeadError, EngineOverloadedError, KVTransferError
 from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.outputs import RequestOutput
 from minivllm.frontend.server.errors import APIError
@@ -51,6 +51,8 @@ def as_api_error(error: BaseException) -> APIError:
         return APIError(HTTPStatus.BAD_REQUEST, str(error))
     if isinstance(error, EngineOverloadedError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is overloaded, try again later: {error}")
+    if isinstance(error, KVTransferError):  # the producer failed; a proxy may retry on another
+        return APIError(HTTPStatus.BAD_GATEWAY, f"KV transfer failed: {error}")
     if isinstance(error, EngineDeadError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is dead: {error}")
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
@@ -91,6 +93,7 @@ class PromptRun:
     prompt_text: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: Any = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, with the last output
 
 
 class MergedStream:
@@ -215,6 +218,8 @@ class OpenAIServing:
                     run.timer.prompt(len(output.prompt_token_ids))
                 if output.prompt_logprobs is not None:
                     run.prompt_logprobs = output.prompt_logprobs
+                if output.kv_transfer_params is not None:
+                    run.kv_transfer_params = output.kv_transfer_params
                 for completion in output.outputs:
                     totals[completion.index] = totals.get(completion.index, 0) + len(completion.token_ids)
                     run.timer.tokens(completion.index, len(completion.token_ids), now)
@@ -280,6 +285,12 @@ def decoded(tokenizer: Any, token_id: int, entry: Any) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def kv_transfer_params_of(runs: list[PromptRun]) -> dict[str, Any] | None:
+    """The response's top-level kv_transfer_params (vLLM's field): the KV connector's, for the
+    request's one prompt (kv_transfer_params requests have one prompt and n=1)."""
+    return next((run.kv_transfer_params for run in runs if run.kv_transfer_params is not None), None)
 
 
 def disconnected_response() -> Response:

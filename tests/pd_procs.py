@@ -1,0 +1,56 @@
+"""`minivllm proxy` as a real subprocess on a free loopback port (its backends are ServerProcesses)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from tests.server_procs import MINIVLLM, free_port
+
+
+class ProxyProcess:
+    """`minivllm proxy --prefill ... --decode ...`; .url is its base URL. Up once it answers /health
+    (whatever the status: a backend may be down on purpose)."""
+
+    def __init__(self, prefill: list[str], decode: list[str], *args: str, timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"minivllm-proxy-{self.port}.log")
+        self.log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen([*MINIVLLM, "proxy", "--prefill", ",".join(prefill), "--decode", ",".join(decode),
+                                      "--port", str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the proxy exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=10).close()
+                break
+            except urllib.error.HTTPError:
+                break  # it answers (503: some backend is down)
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the proxy did not come up in {timeout} s:\n{self.output()}")
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,94 @@
+"""The ZMQ/TCP KV block transport between two 'instances' (two sets of KV cache tensors in one
+process, real sockets): blocks arrive where they were allocated, errors are clear, holds expire."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob
+from tests.server_procs import free_port
+
+SHAPE = (2, 8, 4, 2, 8)  # [K/V, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def wait_for(puller: KVBlockPuller, timeout: float = 10.0) -> tuple[set[str], dict[str, str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = puller.take_finished()
+        if done or failed:
+            return done, failed
+        time.sleep(0.01)
+    raise AssertionError("the pull neither finished nor failed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_move_into_the_allocated_blocks(dtype: torch.dtype) -> None:
+    producer = [torch.randn(SHAPE).to(dtype) for _ in range(3)]
+    consumer = [torch.zeros(SHAPE, dtype=dtype) for _ in range(3)]
+    port = free_port()
+    server = KVBlockServer(producer, "127.0.0.1", port)
+    puller = KVBlockPuller(consumer, timeout_s=5.0)
+    try:
+        server.hold("p1", [5, 1, 6])
+        puller.start(PullJob("d1", "p1", f"tcp://127.0.0.1:{port}", [5, 1, 6], [2, 7, 0]))
+        assert wait_for(puller) == ({"d1"}, {})
+        for mine, theirs in zip(consumer, producer):
+            assert torch.equal(mine[:, [2, 7, 0]], theirs[:, [5, 1, 6]])
+            assert not mine[:, [1, 3, 4, 5, 6]].any()  # nothing else was touched
+        assert server.take_released() == {"p1"}
+        # a second pull of the same request: refused clearly (its blocks are gone)
+        puller.start(PullJob("d2", "p1", f"tcp://127.0.0.1:{port}", [5, 1, 6], [2, 7, 0]))
+        done, failed = wait_for(puller)
+        assert not done and "holds no KV for the request" in failed["d2"]
+    finally:
+        puller.close()
+        server.close()
+
+
+def test_a_silent_producer_fails_the_pull_after_the_timeout() -> None:
+    consumer = [torch.zeros(SHAPE)]
+    puller = KVBlockPuller(consumer, timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        puller.start(PullJob("d1", "p1", f"tcp://127.0.0.1:{free_port()}", [1], [2]))
+        done, failed = wait_for(puller)
+        assert not done and "sent nothing for 0.5 s" in failed["d1"] and "may have died" in failed["d1"]
+        assert time.monotonic() - start < 5
+    finally:
+        puller.close()
+
+
+def test_held_blocks_nobody_pulls_are_released_after_the_hold_timeout() -> None:
+    server = KVBlockServer([torch.zeros(SHAPE)], "127.0.0.1", free_port(), hold_timeout_s=0.3)
+    try:
+        server.hold("p1", [1, 2])
+        assert server.take_released() == set()
+        time.sleep(0.5)
+        assert server.take_released() == {"p1"}
+    finally:
+        server.close()
+
+
+def test_a_cancelled_pull_writes_nothing_and_reports_nothing() -> None:
+    """The scheduler gave up on a request (its blocks went to others): its pull stops writing."""
+    producer = [torch.randn(SHAPE)]
+    consumer = [torch.zeros(SHAPE)]
+    port = free_port()
+    server = KVBlockServer(producer, "127.0.0.1", port)
+    puller = KVBlockPuller(consumer, timeout_s=5.0)
+    try:
+        server.hold("p1", [1, 2])
+        puller.cancel(["d1"])
+        puller.start(PullJob("d1", "p1", f"tcp://127.0.0.1:{port}", [1, 2], [3, 4]))
+        server.hold("p2", [5])
+        puller.start(PullJob("d2", "p2", f"tcp://127.0.0.1:{port}", [5], [6]))
+        assert wait_for(puller) == ({"d2"}, {})  # the later job ran; the cancelled one left no trace
+        assert not consumer[0][:, [3, 4]].any() and torch.equal(consumer[0][:, 6], producer[0][:, 5])
+        server.drop(["p1"])
+        assert "p1" not in server.take_released()
+    finally:
+        puller.close()
+        server.close()

@@ -1,0 +1,101 @@
+"""Prefill/decode disaggregation, worker side, over ZMQ/TCP (the ZmqTcpConnector).
+
+Each worker rank runs its half of the transport (pd_zmq_transport): a producer rank serves its
+shard of the held blocks at kv_port + rank; a consumer rank pulls its shard from the same rank of
+the producer in a background thread, while the model runs other requests (transfer overlaps
+compute; each layer is scattered into the cache as it arrives). See worker/kv_connector/base.py
+for when the driver calls what.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import ClassVar
+
+import torch
+
+from minivllm.core.kv_connector.pd_connector import PDConnectorMetadata
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.kv_transfer import KVConnectorOutput
+from minivllm.protocol.messages import SchedulerOutput
+from minivllm.worker.kv_connector.base import KVConnectorWorkerBase
+from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PULL_TIMEOUT_S = 30.0  # a producer silent this long mid-transfer fails the request
+DEFAULT_HOLD_TIMEOUT_S = 120.0  # held blocks nobody pulls this long are freed
+# When set (by `bench compare`), rank 0 of a consumer appends {"bytes", "seconds"} per pull here.
+KV_TRANSFER_STATS_ENV = "MINIVLLM_KV_TRANSFER_STATS"
+
+
+class PDConnectorWorker(KVConnectorWorkerBase):
+    metadata_type: ClassVar[type] = PDConnectorMetadata
+    poll_interval_s: ClassVar[float] = 0.002
+
+    def __init__(self, config: EngineConfig, rank: int, device: torch.device) -> None:
+        super().__init__(config, rank, device)
+        transfer = config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config
+        self.role = transfer.kv_role
+        self.host = transfer.kv_ip
+        self.port = transfer.kv_port
+        self.pull_timeout_s = float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S))
+        self.hold_timeout_s = float(extra.get("hold_timeout_s", DEFAULT_HOLD_TIMEOUT_S))
+        self.server: KVBlockServer | None = None
+        self.puller: KVBlockPuller | None = None
+        self.stats_path = os.environ.get(KV_TRANSFER_STATS_ENV) if rank == 0 else None
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.role in ("kv_producer", "kv_both"):
+            self.server = KVBlockServer(kv_caches, self.host, self.port + self.rank, self.hold_timeout_s)
+        if self.role in ("kv_consumer", "kv_both"):
+            self.puller = KVBlockPuller(kv_caches, self.pull_timeout_s)
+
+    def handle_preemptions(self) -> None:
+        # The scheduler gave up on these (its transfer timeout) and freed their blocks in this step:
+        # stop writing into (or serving) them before the forward reuses them.
+        if self._expired_req_ids:
+            if self.puller is not None:
+                self.puller.cancel(self._expired_req_ids)
+            if self.server is not None:
+                self.server.drop(self._expired_req_ids)
+
+    def start_load_kv(self, scheduler_output: SchedulerOutput) -> None:
+        """Start this step's pulls (they run in the background) and holds."""
+        metadata: PDConnectorMetadata | None = self.connector_metadata
+        if metadata is None:
+            return
+        for spec in metadata.reqs_to_send:
+            self.server.hold(spec.req_id, spec.block_ids)
+        for spec in metadata.reqs_to_recv:
+            address = f"tcp://{spec.remote_host}:{spec.remote_port + self.rank}"
+            self.puller.start(PullJob(spec.req_id, spec.remote_req_id, address, spec.remote_block_ids,
+                                      spec.local_block_ids))
+
+    def get_finished(self, finished_req_ids: list[str]) -> KVConnectorOutput | None:
+        finished_sending = self.server.take_released() if self.server is not None else set()
+        finished_recving: set[str] = set()
+        failed: dict[str, str] = {}
+        if self.puller is not None:
+            finished_recving, failed = self.puller.take_finished()
+            transfers = self.puller.take_transfers()
+            if self.stats_path and transfers:
+                with open(self.stats_path, "a") as f:
+                    for _, num_bytes, seconds in transfers:
+                        f.write(json.dumps({"bytes": num_bytes, "seconds": seconds}) + "\n")
+        for req_id, why in failed.items():
+            logger.error("request %s: its KV could not be pulled: %s", req_id, why)
+        if not (finished_sending or finished_recving or failed):
+            return None
+        return KVConnectorOutput(finished_sending=sorted(finished_sending), finished_recving=sorted(finished_recving),
+                                 failed_recving=sorted(failed))
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.puller is not None:
+            self.puller.close()
