@@ -24,10 +24,21 @@ def wait_for(puller: KVBlockPuller, timeout: float = 10.0) -> tuple[set[str], di
     raise AssertionError("the pull neither finished nor failed")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocks_move_into_the_allocated_blocks(dtype: torch.dtype) -> None:
-    producer = [torch.randn(SHAPE).to(dtype) for _ in range(3)]
-    consumer = [torch.zeros(SHAPE, dtype=dtype) for _ in range(3)]
+def make_caches(dtype: torch.dtype | str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three layers' caches of a producer (random) and a consumer (zeros); "fp8": the packed
+    [2, num_blocks, bytes] layout of kv_cache_dtype="fp8"."""
+    if dtype == "fp8":
+        from minivllm.worker.attention.kv_cache import KVCacheLayout
+
+        layout = KVCacheLayout(SHAPE[2], SHAPE[3], SHAPE[4], torch.float32, fp8=True)
+        producer = [torch.randint(0, 120, layout.shape(SHAPE[1]), dtype=torch.uint8) for _ in range(3)]
+        return producer, [layout.allocate(SHAPE[1], torch.device("cpu")) for _ in range(3)]
+    return [torch.randn(SHAPE).to(dtype) for _ in range(3)], [torch.zeros(SHAPE, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
+def test_blocks_move_into_the_allocated_blocks(dtype: torch.dtype | str) -> None:
+    producer, consumer = make_caches(dtype)
     port = free_port()
     server = KVBlockServer(producer, "127.0.0.1", port)
     puller = KVBlockPuller(consumer, timeout_s=5.0)

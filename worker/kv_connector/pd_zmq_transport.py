@@ -30,7 +30,9 @@ import zmq
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16)}
+# uint8: an FP8 cache's packed blocks (worker/attention/kv_cache.py); both ends must use it then,
+# which the shape check below enforces (a packed block is one row of bytes).
+_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.uint8)}
 
 
 class PullRequest(msgspec.Struct, tag="pull"):
