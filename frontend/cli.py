@@ -169,6 +169,12 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from minivllm.protocol.auth import check_bind_allowed, resolve_engine_key
     from minivllm.protocol.config import EngineConfig
 
+    if args.data_parallel_size != 1:
+        # One `minivllm engine` is one engine core at one address; data parallelism is N cores
+        # behind one frontend, which `generate` / `serve` / LLM start themselves.
+        print("minivllm engine: --data-parallel-size must be 1 (start one engine per address, or use "
+              "`minivllm serve --data-parallel-size N`).", file=sys.stderr)
+        return 2
     engine_key = resolve_engine_key(key_file=args.engine_key_file)
     check_bind_allowed(args.address, engine_key, args.insecure)  # before fetching or loading anything
     config = EngineConfig.create(resolve_model(args.model), **engine_kwargs(args))

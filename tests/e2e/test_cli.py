@@ -65,3 +65,11 @@ def test_bad_flag_value_is_a_clear_error(tiny_llama) -> None:
     assert result.returncode == 2
     assert "temperature must be >= 0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_engine_refuses_data_parallelism(tiny_llama) -> None:
+    """One `minivllm engine` is one engine core at one address: asking it for N is refused, not
+    silently ignored."""
+    result = run("engine", "--model", tiny_llama, "--data-parallel-size", "2")
+    assert result.returncode == 2
+    assert "--data-parallel-size must be 1" in result.stderr
