@@ -379,7 +379,7 @@ class Scheduler:
                 request, num_external_tokens + num_new_tokens, num_cached_tokens, computed_blocks
             )
             if new_block_ids is None:
-                if request.num_computed_tokens and not self.running:
+                if self.connector is not None and not self.running:
                     self._release_loaded_blocks(but=request)  # see _release_loaded_blocks
                 break  # keep queue order: nobody jumps ahead of the head of the queue
             self.waiting.pop()

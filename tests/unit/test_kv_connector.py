@@ -338,3 +338,18 @@ def test_no_connector_means_no_metadata() -> None:
         out = scheduler.schedule()
         assert out.kv_connector_metadata is None
         scheduler.update_from_output(out, worker.execute(out))
+
+
+def test_blocks_being_loaded_are_not_shared_before_the_kv_arrives() -> None:
+    prompt = list(range(300, 333))
+    scheduler, worker = make()
+    worker.load_steps = 4
+    scheduler.add_request(with_params("loading", {"remote": True}, prompt_token_ids=prompt, max_tokens=3))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, worker.execute(out))
+    # Same prefix, computed here, while the first one's KV is still on its way: a prefix-cache
+    # hit on the blocks being loaded would read KV that is not there yet (the worker checks).
+    scheduler.add_request(with_params("local", None, prompt_token_ids=prompt, max_tokens=3))
+    outputs = run(scheduler, worker)
+    assert outputs["local"][-1].num_cached_tokens == 0
+    assert len(tokens(outputs["loading"])) == 3
