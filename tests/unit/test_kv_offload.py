@@ -163,8 +163,9 @@ def test_spilled_prefixes_come_back_from_the_host_tier(fake_model: str, load_del
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "v0"])
-@pytest.mark.parametrize("load_delay", [0, 1])
-def test_swap_preemption_matches_recompute_and_computes_less(fake_model: str, policy: str, load_delay: int) -> None:
+@pytest.mark.parametrize("load_delay,pipelined", [(0, False), (1, False), (1, True)])
+def test_swap_preemption_matches_recompute_and_computes_less(fake_model: str, policy: str, load_delay: int,
+                                                             pipelined: bool) -> None:
     def requests():
         return [make_request(f"r{i}", num_prompt_tokens=10 + 3 * i, max_tokens=20, ignore_eos=True, priority=i % 3)
                 for i in range(8)]
@@ -180,7 +181,7 @@ def test_swap_preemption_matches_recompute_and_computes_less(fake_model: str, po
     scheduler, worker = make(fake_model, 20, 200, load_delay=load_delay, preemption_mode="swap", **settings)
     for request in requests():
         scheduler.add_request(request)
-    got = {k: tokens(v) for k, v in run(scheduler, worker, max_steps=5000).items()}
+    got = {k: tokens(v) for k, v in run(scheduler, worker, max_steps=5000, pipelined=pipelined).items()}
     assert got == expected
     connector: OffloadingConnectorScheduler = scheduler.connector
     assert scheduler.num_preemptions > 0 and connector.num_swapped_in > 0
@@ -228,4 +229,29 @@ def test_reset_prefix_cache_empties_the_host_tier(fake_model: str) -> None:
     assert scheduler.connector.host.lru
     assert scheduler.reset_prefix_cache()
     assert not scheduler.connector.host.lru
+    assert_host_clean(scheduler)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+@pytest.mark.parametrize("load_delay", [0, 1])
+def test_loaded_requests_waiting_for_a_seat_never_starve_a_running_one(fake_model: str, load_delay: int,
+                                                                       pipelined: bool) -> None:
+    """Requests whose KV came back from the host hold blocks while they wait to be scheduled. A
+    running request that needs one of those blocks must get it (they give it up and load again
+    later) rather than preempt itself over and over."""
+    import random
+
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(10, 400) for _ in range(24)] for _ in range(4)]
+    prompts = [prefixes[i % 4] + [rng.randrange(10, 400) for _ in range(1 + rng.randrange(20))] for i in range(12)]
+    reference, reference_worker = make(fake_model, 24, None)
+    scheduler, worker = make(fake_model, 24, 500, load_delay=load_delay)
+    for round_index in range(2):
+        for sched, work, results in ((reference, reference_worker, expected := {}), (scheduler, worker, got := {})):
+            for i, prompt in enumerate(prompts):
+                sched.add_request(make_request(f"r{i}-{round_index}", prompt_token_ids=prompt, max_tokens=16,
+                                               ignore_eos=True))
+            results.update({k: tokens(v) for k, v in run(sched, work, max_steps=3000, pipelined=pipelined).items()})
+        assert got == expected
+    assert scheduler.connector.num_loaded_hits > 0
     assert_host_clean(scheduler)
