@@ -72,8 +72,8 @@ def generate_twice(llm: LLM, priority=None) -> tuple[list[list[int]], list[list[
         dict(preemption_mode="swap"),
         dict(preemption_mode="swap", scheduling_policy="v0"),
         dict(preemption_mode="swap", scheduling_policy="priority"),
-        dict(preemption_mode="swap", async_scheduling=False),
-        dict(preemption_mode="swap", enable_prefix_caching=False),
+        pytest.param(dict(preemption_mode="swap", async_scheduling=False), marks=pytest.mark.slow),
+        pytest.param(dict(preemption_mode="swap", enable_prefix_caching=False), marks=pytest.mark.slow),
     ],
     ids=["offload", "swap", "swap-v0", "swap-priority", "swap-sync", "swap-no-prefix-caching"],
 )
@@ -93,7 +93,7 @@ def test_greedy_outputs_identical_with_the_tier_under_preemption_and_churn(engin
 
 def test_abort_under_swapping_frees_everything_and_serving_goes_on(engines, reference) -> None:
     llm = engines(kv_offloading_size=HOST_GIB, preemption_mode="swap", scheduling_policy="fcfs")
-    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # the longest prompt + 48 fits
     results: list = []
     thread = threading.Thread(target=lambda: results.extend(llm.generate(PROMPTS, long, use_tqdm=False)))
     before = llm.get_stats().num_preemptions
