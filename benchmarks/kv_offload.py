@@ -1,8 +1,9 @@
 """The CPU offload tier and swap preemption, measured (runs on CPU and GPU; prints markdown tables).
 
 1. multi-turn: conversations whose prefixes together exceed the GPU KV cache; each turn re-sends
-   the whole conversation (system prompt + earlier turns + answers) plus a new user message. The
-   prefix cache alone keeps only the most recent conversations; the host tier keeps the others.
+   the whole conversation (system prompt + earlier turns + answers) plus a new user message, and
+   every conversation takes its turn before any takes the next. The prefix cache alone keeps only
+   the most recent conversations; the host tier keeps the others.
    Throughput and TTFT (of turns after the first, which have a prefix to reuse), with and without
    the tier (kv_offloading_size).
 2. preemption-heavy: more long-output requests than the KV cache holds, so running requests are
@@ -54,27 +55,31 @@ async def run_conversations(llm: AsyncLLM, args: argparse.Namespace) -> dict:
     ttfts: list[float] = []
     out_tokens = 0
 
-    async def conversation(c: int) -> None:
+    histories = [[rng.randrange(1, vocab) for _ in range(args.system_tokens)] for _ in range(args.conversations)]
+    limit = asyncio.Semaphore(args.concurrency)
+
+    async def turn(c: int, t: int) -> None:
         nonlocal out_tokens
-        history = [rng.randrange(1, vocab) for _ in range(args.system_tokens)]
-        for turn in range(args.turns):
+        async with limit:
+            history = histories[c]
             history += [rng.randrange(1, vocab) for _ in range(args.turn_tokens)]
             start = time.perf_counter()
             first = None
             answer: list[int] = []
-            async for output in llm.generate({"prompt_token_ids": list(history)}, params, f"c{c}-t{turn}"):
+            async for output in llm.generate({"prompt_token_ids": list(history)}, params, f"c{c}-t{t}"):
                 if first is None and output.outputs[0].token_ids:
                     first = time.perf_counter() - start
                 answer = output.outputs[0].token_ids
-            if turn > 0:
+            if t > 0:
                 ttfts.append(first)
             out_tokens += len(answer)
             history += answer
 
     start = time.perf_counter()
-    # Conversations in waves of `concurrency`: later waves come back to prefixes evicted meanwhile.
-    for wave in range(0, args.conversations, args.concurrency):
-        await asyncio.gather(*(conversation(c) for c in range(wave, min(wave + args.concurrency, args.conversations))))
+    # Turn t of every conversation (`concurrency` at a time), then turn t + 1 of every one: by the
+    # time a conversation comes back, the others' turns have pushed its prefix out of the GPU cache.
+    for t in range(args.turns):
+        await asyncio.gather(*(turn(c, t) for c in range(args.conversations)))
     elapsed = time.perf_counter() - start
     return {"elapsed": elapsed, "ttfts": ttfts, "out_tokens": out_tokens}
 
@@ -96,7 +101,7 @@ def bench_multi_turn(model: str, args: argparse.Namespace, common: dict) -> list
                     f"{1000 * statistics.mean(ttfts):.1f} | {1000 * percentile(ttfts, 0.5):.1f} | "
                     f"{1000 * percentile(ttfts, 0.99):.1f} | {prefill} | {100 * (after.prefix_cache_hit_rate):.1f}% |")
     return ["| multi-turn | time (s) | output tok/s | TTFT mean (ms) | TTFT p50 | TTFT p99 | prefill tokens computed "
-            "| GPU prefix hit rate |", "|---|---|---|---|---|---|---|---|", *rows]
+            "| GPU prefix-cache hit rate |", "|---|---|---|---|---|---|---|---|", *rows]
 
 
 async def _stats(llm: AsyncLLM):
