@@ -267,7 +267,7 @@ class Scheduler:
         manager = self.kv_cache_manager
         return EngineStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_remote_kvs),
             kv_cache_usage=manager.usage,
             num_gpu_blocks=self.num_gpu_blocks,
             num_preemptions=self.num_preemptions,

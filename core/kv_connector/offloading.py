@@ -136,6 +136,9 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
             logger.info("CPU offload tier: %d blocks (%.2f GiB, %d bytes per block); preemption by %s",
                         num_host_blocks, config.kv_offloading_size, bytes_per_block,
                         config.preemption_mode or "recompute")
+            if num_host_blocks == 0:
+                logger.warning("kv_offloading_size=%g GiB holds no KV block (%d bytes each): the CPU tier is off",
+                               config.kv_offloading_size, bytes_per_block)
         self.host = HostBlockPool(num_host_blocks)
         self.swap = config.preemption_mode == "swap"
         # Swapped-out requests: id -> (their host slots, tokens whose KV those hold).
