@@ -267,7 +267,7 @@ class Scheduler:
         manager = self.kv_cache_manager
         return EngineStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_remote_kvs),
             kv_cache_usage=manager.usage,
             num_gpu_blocks=self.num_gpu_blocks,
             num_preemptions=self.num_preemptions,
@@ -325,6 +325,15 @@ class Scheduler:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_block_ids is not None:
                     break
+                if self.connector is not None:
+                    # Out of blocks: waiting requests holding loaded KV give theirs up first.
+                    if self._release_loaded_blocks(only_one=True):
+                        continue
+                    # Rather than preempt itself, the last running request waits for the loads in
+                    # flight to land: their blocks are given up then (as above).
+                    if self.running[-1] is request and self.waiting_for_remote_kvs:
+                        preempted = True  # as after a preemption: no admission in this step
+                        break
                 # Out of blocks: preempt the last running request. It is never one already
                 # scheduled this step, since those all sit before req_index.
                 victim = self.running.pop()
@@ -379,7 +388,7 @@ class Scheduler:
                 request, num_external_tokens + num_new_tokens, num_cached_tokens, computed_blocks
             )
             if new_block_ids is None:
-                if request.num_computed_tokens and not self.running:
+                if self.connector is not None and not self.running:
                     self._release_loaded_blocks(but=request)  # see _release_loaded_blocks
                 break  # keep queue order: nobody jumps ahead of the head of the queue
             self.waiting.pop()
@@ -589,17 +598,28 @@ class Scheduler:
         self.waiting_for_remote_kvs[request.request_id] = request
         self.connector.update_state_after_alloc(request, manager.get_block_ids(request.request_id),
                                                 num_external_tokens)
+        logger.debug("%s waits for %d tokens' KV (%d computed here)", request.request_id, num_external_tokens,
+                     num_cached_tokens)
         return True
 
-    def _release_loaded_blocks(self, but: Request) -> None:
-        """Nothing runs and the head of the queue cannot get its blocks: give back those of
-        waiting requests whose KV was loaded but who are queued behind (they would otherwise keep
-        each other out forever); they load or compute it again when their turn comes."""
-        for request in list(self.waiting):
+    def _release_loaded_blocks(self, but: Request | None = None, only_one: bool = False) -> bool:
+        """Give back the blocks of waiting requests whose KV a connector loaded (last queued
+        first), which would otherwise keep the requests that need blocks out forever: a running
+        request, or the head of the queue when nothing runs. They load or compute that KV again
+        when their turn comes. Returns whether any were released."""
+        released = False
+        for request in reversed(list(self.waiting)):
             if request is not but and request.num_computed_tokens:
+                # As a preemption: with swap the KV goes back to host memory.
+                self.connector.request_preempted(request, self.kv_cache_manager.get_block_ids(request.request_id),
+                                                 request.num_computed_tokens)
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = 0
+                released = True
                 logger.debug("released the loaded KV of waiting request %s to make room", request.request_id)
+                if only_one:
+                    break
+        return released
 
     def _update_from_kv_connector_output(self, output: KVConnectorOutput) -> None:
         self.connector.update_connector_output(output)

@@ -90,3 +90,25 @@ def load_kv_connector_class(name: str, side: str) -> type:
     path = KV_CONNECTORS[name][0 if side == "scheduler" else 1]
     module_name, _, class_name = path.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+# ---------------------------------------------------------------- the OffloadingConnector's metadata
+
+
+class BlockCopy(msgspec.Struct, array_like=True):
+    """Copy GPU blocks to host blocks (a store) or host blocks to GPU blocks (a load), pairwise."""
+
+    gpu_block_ids: list[int]
+    host_block_ids: list[int]
+    # For a load: the request that waits for it (reported in finished_recving once it landed).
+    req_id: str = ""
+
+
+class OffloadingMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step of the CPU offload tier. Stores read GPU blocks the scheduler just freed for reuse
+    in this step (spilled prefix-cache blocks, swapped-out requests): they happen before the
+    forward. Loads fill blocks of requests in WAITING_FOR_REMOTE_KVS: they run alongside it."""
+
+    num_host_blocks: int
+    stores: list[BlockCopy] = []
+    loads: list[BlockCopy] = []

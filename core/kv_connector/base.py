@@ -33,11 +33,13 @@ The Scheduler's side of the contract (all calls from the EngineCore's busy loop,
    the request's blocks; request.num_computed_tokens is (still) the locally computed count, and
    the n external tokens go into positions [num_computed_tokens, num_computed_tokens + n), i.e.
    from block_ids[num_computed_tokens // block_size] on.
-4. request_preempted(request, block_ids, num_computed_tokens): a running request is preempted;
-   its blocks are freed right after this call and may be rewritten in this very step, so anything
-   to keep must be copied in this step's handle_preemptions (before the forward). Its tokens
-   [0, num_computed_tokens) have valid KV in block_ids. When it is admitted again, step 2 asks
-   for it as for any request (that is how swap-in happens).
+4. request_preempted(request, block_ids, num_computed_tokens): a request loses its blocks: a
+   running request is preempted, or a waiting one gives up KV loaded for it (a running request
+   needs the blocks). They are freed right after this call and may be rewritten in this very
+   step, so anything to keep must be copied in this step's handle_preemptions (before the
+   forward). Its tokens [0, num_computed_tokens) have valid KV in block_ids (once the steps
+   already sent have run). When it is admitted again, step 2 asks for it as for any request
+   (that is how swap-in happens).
 5. build_connector_meta(scheduler_output) -> Struct | None: called once per step after
    scheduling, with the SchedulerOutput about to be sent; return this step's instructions (and
    reset what was handed over). The Struct must be of the worker side's metadata_type.
@@ -111,7 +113,7 @@ class KVConnectorSchedulerBase:
         """Blocks were allocated for the tokens get_num_new_matched_tokens offered."""
 
     def request_preempted(self, request: "Request", block_ids: list[int], num_computed_tokens: int) -> None:
-        """A running request loses its blocks (they are reused in this very step)."""
+        """A request loses its blocks (they may be reused in this very step)."""
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> msgspec.Struct | None:
         """This step's instructions for the worker side (None: nothing)."""

@@ -150,22 +150,33 @@ def make(num_gpu_blocks: int = 64, **extra) -> tuple[Scheduler, ConnectorWorker]
     return scheduler, ConnectorWorker(scheduler)
 
 
-def run(scheduler: Scheduler, worker: ConnectorWorker, max_steps: int = 500, on_step=None) -> dict[str, list]:
+def run(scheduler: Scheduler, worker: ConnectorWorker, max_steps: int = 500, on_step=None,
+        pipelined: bool = False) -> dict[str, list]:
     """Step as the EngineCore does (a step carrying metadata reaches the worker even with no
-    tokens); check the block accounting every step; return the outputs by request."""
+    tokens); check the block accounting every step; return the outputs by request. pipelined: as
+    with async scheduling, step N+1 is scheduled (and run) before the scheduler sees step N's output."""
     outputs: dict[str, list] = {}
+    in_flight: list = []
+    empty = ModelRunnerOutput([], [])
     for i in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and not in_flight:
             break
         if on_step is not None:
             on_step(i)
-        out = scheduler.schedule()
-        check_accounting(scheduler)
-        if out.total_num_scheduled_tokens or out.kv_connector_metadata is not None:
-            result = worker.execute(out)
-        else:
-            result = ModelRunnerOutput([], [])
-        for o in scheduler.update_from_output(out, result):
+        submitted = False
+        results = []
+        if scheduler.has_unfinished_requests() and len(in_flight) < 2:
+            out = scheduler.schedule()
+            check_accounting(scheduler)
+            if out.total_num_scheduled_tokens or out.kv_connector_metadata is not None:
+                in_flight.append((out, worker.execute(out)))
+                submitted = True
+            else:
+                results = scheduler.update_from_output(out, empty)
+        if in_flight and (not pipelined or not submitted or len(in_flight) == 2):
+            out, result = in_flight.pop(0)
+            results += scheduler.update_from_output(out, result)
+        for o in results:
             outputs.setdefault(o.request_id, []).append(o)
     else:
         raise AssertionError("did not finish")
@@ -338,3 +349,18 @@ def test_no_connector_means_no_metadata() -> None:
         out = scheduler.schedule()
         assert out.kv_connector_metadata is None
         scheduler.update_from_output(out, worker.execute(out))
+
+
+def test_blocks_being_loaded_are_not_shared_before_the_kv_arrives() -> None:
+    prompt = list(range(300, 333))
+    scheduler, worker = make()
+    worker.load_steps = 4
+    scheduler.add_request(with_params("loading", {"remote": True}, prompt_token_ids=prompt, max_tokens=3))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, worker.execute(out))
+    # Same prefix, computed here, while the first one's KV is still on its way: a prefix-cache
+    # hit on the blocks being loaded would read KV that is not there yet (the worker checks).
+    scheduler.add_request(with_params("local", None, prompt_token_ids=prompt, max_tokens=3))
+    outputs = run(scheduler, worker)
+    assert outputs["local"][-1].num_cached_tokens == 0
+    assert len(tokens(outputs["loading"])) == 3

@@ -1,0 +1,294 @@
+"""The CPU offload tier and swap preemption, scheduler side: the OffloadingConnector
+(selected by kv_offloading_size alone; preemption_mode="swap" adds swapping).
+
+Host memory holds `num_host_blocks` blocks (kv_offloading_size GiB / the bytes of one block in
+every layer). It serves two uses:
+
+* a second-level prefix cache: a GPU block evicted from the prefix cache still holds the KV of
+  its hash; it is copied (spilled) into a host block kept in LRU order by hash. A request whose
+  GPU prefix-cache hit stops at a block the host tier holds loads the run of host blocks that
+  follows instead of recomputing it.
+* swap: a preempted request's blocks (all of them, the last partly filled one included) are
+  copied to host blocks it owns, and copied back when it is admitted again, instead of recomputed.
+  Swap blocks are never evicted; when the host tier cannot make room the request is recomputed.
+
+Loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS while its blocks are copied
+in beside the running steps' compute. Host blocks being read by a load are pinned (not evicted)
+until the worker reports the load done. The worker runs every copy on one side stream in issue
+order, so a host block may be reused right after it is freed here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from minivllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from minivllm.core.kv_connector.base import KVConnectorSchedulerBase
+from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.kv_transfer import BlockCopy, KVConnectorOutput, OffloadingMetadata
+
+if TYPE_CHECKING:
+    from minivllm.core.request import Request
+    from minivllm.protocol.messages import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class HostBlockPool:
+    """Host block slots: free ones, an LRU of cached ones (hash -> slot; evictable unless pinned),
+    and ones owned by a swapped-out request (never evicted)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free_slots: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out slot 0 first
+        self.lru: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self.pins: dict[int, int] = {}  # slot -> loads reading it
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.lru.get(block_hash)
+
+    def touch(self, block_hash: BlockHash) -> None:
+        self.lru.move_to_end(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` slots (evicting least recently used cached blocks), or None, changing
+        nothing, when not that many are free or evictable."""
+        num_to_evict = num_blocks - len(self.free_slots)
+        victims: list[BlockHash] = []
+        if num_to_evict > 0:
+            for block_hash, slot in self.lru.items():  # oldest first; pinned ones are few
+                if slot not in self.pins:
+                    victims.append(block_hash)
+                    if len(victims) == num_to_evict:
+                        break
+            if len(victims) < num_to_evict:
+                return None
+        slots = [self.free_slots.pop() for _ in range(min(num_blocks, len(self.free_slots)))]
+        slots += [self.lru.pop(block_hash) for block_hash in victims]
+        return slots
+
+    def insert(self, block_hash: BlockHash, slot: int) -> None:
+        assert block_hash not in self.lru
+        self.lru[block_hash] = slot
+
+    def free(self, slots: list[int]) -> None:
+        self.free_slots.extend(reversed(slots))
+
+    def pin(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.pins[slot] = self.pins.get(slot, 0) + 1
+
+    def unpin(self, slots: list[int]) -> None:
+        for slot in slots:
+            count = self.pins[slot] - 1
+            if count:
+                self.pins[slot] = count
+            else:
+                del self.pins[slot]
+
+    def clear_cache(self) -> None:
+        """Drop every cached block not being read (reset_prefix_cache)."""
+        for block_hash, slot in list(self.lru.items()):
+            if slot not in self.pins:
+                del self.lru[block_hash]
+                self.free_slots.append(slot)
+
+
+def kv_bytes_per_block(config: EngineConfig) -> int:
+    """One block's K and V in every layer, per worker (with tensor parallelism each rank holds its
+    share of the KV heads), from the model's config.json: the worker allocates host blocks of its
+    real size; this only turns kv_offloading_size into a number of blocks."""
+    with open(os.path.join(config.model, "config.json")) as f:
+        hf = json.load(f)
+    text = hf.get("text_config", hf)
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    kv_heads_per_rank = max(1, kv_heads // config.tensor_parallel_size)
+    if config.kv_cache_dtype.startswith("fp8"):
+        element_size = 1
+    elif config.dtype == "float32":
+        element_size = 4
+    elif config.dtype in ("bfloat16", "float16"):
+        element_size = 2
+    else:  # auto: float32 on CPU, bfloat16 on CUDA (as the worker resolves it)
+        from minivllm.protocol.config import _runs_on_cuda
+
+        element_size = 2 if _runs_on_cuda(config.device) else 4
+    return 2 * config.block_size * kv_heads_per_rank * head_dim * element_size * int(text["num_hidden_layers"])
+
+
+class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int, num_host_blocks: int | None = None) -> None:
+        super().__init__(config, num_gpu_blocks)
+        if num_host_blocks is None:
+            assert config.kv_offloading_size is not None
+            bytes_per_block = kv_bytes_per_block(config)
+            num_host_blocks = int(config.kv_offloading_size * (1 << 30)) // bytes_per_block
+            logger.info("CPU offload tier: %d blocks (%.2f GiB, %d bytes per block); preemption by %s",
+                        num_host_blocks, config.kv_offloading_size, bytes_per_block,
+                        config.preemption_mode or "recompute")
+            if num_host_blocks == 0:
+                logger.warning("kv_offloading_size=%g GiB holds no KV block (%d bytes each): the CPU tier is off",
+                               config.kv_offloading_size, bytes_per_block)
+        self.host = HostBlockPool(num_host_blocks)
+        self.swap = config.preemption_mode == "swap"
+        # Swapped-out requests: id -> (their host slots, tokens whose KV those hold).
+        self.swapped: dict[str, tuple[list[int], int]] = {}
+        # What get_num_new_matched_tokens offered, for update_state_after_alloc:
+        # id -> (host slots to load, first block index, whether they are the request's swap slots).
+        self.offers: dict[str, tuple[list[int], int, bool]] = {}
+        # Loads in flight: id -> (host slots read, whether to free them once done rather than unpin).
+        self.loading: dict[str, tuple[list[int], bool]] = {}
+        self.stores: list[BlockCopy] = []
+        self.loads: list[BlockCopy] = []
+        self.sent_size = False
+        # Counters (blocks), for tests and benchmarks.
+        self.num_spilled = self.num_swapped_out = self.num_loaded_hits = self.num_swapped_in = 0
+
+    # ------------------------------------------------------------------ spills
+
+    def bind_block_pool(self, block_pool: BlockPool) -> None:
+        if block_pool.enable_caching and self.host.num_blocks:
+            block_pool.on_evict = self._spill
+
+    def _spill(self, block: KVCacheBlock) -> None:
+        """A cached GPU block is being evicted (and reused in this step): keep its KV on the host."""
+        block_hash = block.block_hash
+        assert block_hash is not None
+        if self.host.lookup(block_hash) is not None:
+            self.host.touch(block_hash)  # already there (spilled before, and loaded back since)
+            return
+        slots = self.host.allocate(1)
+        if slots is None:
+            return  # every host block is pinned or swapped: this one is simply lost
+        self.host.insert(block_hash, slots[0])
+        self._add_store(block.block_id, slots[0])
+        self.num_spilled += 1
+
+    def _add_store(self, gpu_block_id: int, host_block_id: int) -> None:
+        if not self.stores:
+            self.stores.append(BlockCopy([], []))
+        self.stores[0].gpu_block_ids.append(gpu_block_id)
+        self.stores[0].host_block_ids.append(host_block_id)
+
+    # ------------------------------------------------------------------ swap out
+
+    def request_preempted(self, request: "Request", block_ids: list[int], num_computed_tokens: int) -> None:
+        stale = self.swapped.pop(request.request_id, None)  # resumed without loading it back
+        if stale is not None:
+            self.host.free(stale[0])
+        if not self.swap or num_computed_tokens <= 0:
+            return
+        num_blocks = cdiv(num_computed_tokens, self.block_size)
+        slots = self.host.allocate(num_blocks)
+        if slots is None:
+            logger.debug("no host room to swap out %s (%d blocks): it will be recomputed", request.request_id, num_blocks)
+            return
+        for gpu_block_id, slot in zip(block_ids[:num_blocks], slots):
+            self._add_store(gpu_block_id, slot)
+        self.swapped[request.request_id] = (slots, num_computed_tokens)
+        self.num_swapped_out += num_blocks
+
+    # ------------------------------------------------------------------ loads
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        request_id = request.request_id
+        first_block = num_computed_tokens // self.block_size
+        self._withdraw_offer(request_id)
+        swapped = self.swapped.get(request_id)
+        if swapped is not None:
+            slots, num_swapped_tokens = swapped
+            target = min(num_swapped_tokens, request.num_tokens - 1)
+            if target <= num_computed_tokens:  # the GPU prefix cache still holds it all
+                del self.swapped[request_id]
+                self.host.free(slots)
+                return 0, False
+            self.offers[request_id] = (slots[first_block:cdiv(target, self.block_size)], first_block, True)
+            return target - num_computed_tokens, True
+        if not self.host.lru:
+            return 0, False
+        # The run of host-cached full blocks right after the GPU hit (never the block holding the
+        # last known token: its logits are needed). block_hashes cover every full block by now.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        slots = []
+        for block_hash in request.block_hashes[first_block:max_blocks]:
+            slot = self.host.lookup(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        if not slots:
+            return 0, False
+        # Pinned from now: the allocation that follows may spill GPU blocks, which must not evict these.
+        self.host.pin(slots)
+        self.offers[request_id] = (slots, first_block, False)
+        return len(slots) * self.block_size, True
+
+    def _withdraw_offer(self, request_id: str) -> None:
+        offer = self.offers.pop(request_id, None)
+        if offer is not None and not offer[2]:
+            self.host.unpin(offer[0])
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        offered, first_block, is_swap = self.offers.pop(request.request_id)
+        num_blocks = cdiv(request.num_computed_tokens + num_external_tokens, self.block_size) - first_block
+        slots = offered[:num_blocks]
+        gpu_block_ids = block_ids[first_block:first_block + num_blocks]
+        assert len(gpu_block_ids) == len(slots) == num_blocks, (len(gpu_block_ids), len(slots), num_blocks)
+        if is_swap:
+            # The swapped KV moves back: the request's remaining host slots go now (blocks the GPU
+            # prefix cache still held were not needed), the loaded ones once the load is done.
+            all_slots, _ = self.swapped.pop(request.request_id)
+            loaded = set(slots)
+            self.host.free([slot for slot in all_slots if slot not in loaded])
+            self.num_swapped_in += num_blocks
+        else:
+            self.host.unpin(offered[num_blocks:])  # offered but not taken (the scheduler clamped)
+            for block_hash in request.block_hashes[first_block:first_block + num_blocks]:
+                self.host.touch(block_hash)
+            self.num_loaded_hits += num_blocks
+        self.loading[request.request_id] = (slots, is_swap)
+        self.loads.append(BlockCopy(gpu_block_ids, slots, request.request_id))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for request_id in [*output.finished_recving, *output.failed_recving]:
+            loading = self.loading.pop(request_id, None)
+            if loading is not None:
+                slots, is_swap = loading
+                if is_swap:
+                    self.host.free(slots)
+                else:
+                    self.host.unpin(slots)
+
+    # ------------------------------------------------------------------ per step, and the end
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> OffloadingMetadata | None:
+        if not self.stores and not self.loads and self.sent_size:
+            return None
+        self.sent_size = True  # the first step's metadata makes the workers allocate the host blocks
+        meta = OffloadingMetadata(self.host.num_blocks, self.stores, self.loads)
+        self.stores, self.loads = [], []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # A swapped-out request that will never resume (aborted) gives its host blocks back; one
+        # whose load is in flight gives them back when the load is reported.
+        self._withdraw_offer(request.request_id)
+        swapped = self.swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self.host.free(swapped[0])
+        return False, None
+
+    def reset_prefix_cache(self) -> None:
+        self.host.clear_cache()
+
+    def has_pending_work(self) -> bool:
+        return bool(self.stores or self.loads)

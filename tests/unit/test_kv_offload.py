@@ -1,0 +1,257 @@
+"""The CPU offload tier and swap preemption, scheduler side, without torch: the host LRU, and the
+Scheduler + OffloadingConnectorScheduler driven by a fake worker that really moves the harness's
+KV fingerprints between its simulated GPU slots and host blocks as the metadata says. Every
+position a request attends to must hold its own prefix, so a spill, swap or load that moves the
+wrong block (or reuses a block or host slot too early) fails."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+
+from minivllm.core.kv_connector.offloading import HostBlockPool, OffloadingConnectorScheduler
+from minivllm.core.request import RequestStatus
+from minivllm.core.scheduler import Scheduler
+from minivllm.protocol.kv_transfer import KVConnectorOutput, OffloadingMetadata
+from minivllm.protocol.messages import ModelRunnerOutput
+from tests.unit.scheduler_harness import FakeWorker, make_config, make_request, schedulers_in_test
+from tests.unit.test_kv_connector import run, tokens
+
+# ---------------------------------------------------------------- the host LRU
+
+
+def test_host_pool_hands_out_free_slots_then_evicts_least_recently_used() -> None:
+    host = HostBlockPool(3)
+    slots = host.allocate(3)
+    assert sorted(slots) == [0, 1, 2] and host.allocate(1) is None
+    for block_hash, slot in zip([b"a", b"b", b"c"], slots):
+        host.insert(block_hash, slot)
+    host.touch(b"a")  # b is now the oldest
+    [evicted] = host.allocate(1)
+    assert evicted == slots[1] and host.lookup(b"b") is None and host.lookup(b"a") == slots[0]
+
+
+def test_host_pool_never_evicts_pinned_slots_and_fails_without_changes() -> None:
+    host = HostBlockPool(2)
+    a, b = host.allocate(2)
+    host.insert(b"a", a)
+    host.insert(b"b", b)
+    host.pin([a])
+    assert host.allocate(2) is None
+    assert host.lookup(b"a") == a and host.lookup(b"b") == b  # nothing evicted by the failed call
+    assert host.allocate(1) == [b]
+    host.unpin([a])
+    assert host.allocate(1) == [a]
+
+
+def test_host_pool_clear_cache_keeps_what_loads_read() -> None:
+    host = HostBlockPool(3)
+    a, b, c = host.allocate(3)
+    host.insert(b"a", a)
+    host.insert(b"b", b)
+    host.pin([b])
+    host.free([c])
+    host.clear_cache()
+    assert host.lookup(b"a") is None and host.lookup(b"b") == b
+    assert sorted(host.free_slots) == sorted([a, c])
+
+
+# ---------------------------------------------------------------- the scheduler with the tier
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory) -> str:
+    """A config.json whose one block (K and V, every layer) is 32 bytes in float32."""
+    path = tmp_path_factory.mktemp("offload-model")
+    (path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "hidden_size": 1}))
+    return str(path)
+
+
+@dataclass
+class OffloadWorker(FakeWorker):
+    """FakeWorker + the offloading connector's worker side over fingerprints. Loads land
+    `load_delay` steps after they are issued (0: in the same step, as on CPU)."""
+
+    load_delay: int = 0
+    host: dict[int, list[int | None]] = field(default_factory=dict)
+    loading: list[tuple[str, int]] = field(default_factory=list)
+
+    def execute(self, out) -> ModelRunnerOutput:
+        meta = out.kv_connector_metadata
+        report = KVConnectorOutput()
+        bs = self.scheduler.block_size
+        if meta is not None and meta.payload:
+            decoded = msgspec.msgpack.decode(meta.payload, type=OffloadingMetadata)
+            for copy in decoded.stores:  # before the forward: these blocks are reused in this step
+                for g, h in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True):
+                    self.host[h] = [self.kv_slots.get(g * bs + i) for i in range(bs)]
+            for copy in decoded.loads:
+                for g, h in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True):
+                    for i, fingerprint in enumerate(self.host[h]):
+                        self.kv_slots[g * bs + i] = fingerprint
+                self.loading.append((copy.req_id, self.load_delay))
+        result = super().execute(out) if out.total_num_scheduled_tokens else ModelRunnerOutput([], [])
+        still = []
+        for req_id, delay in self.loading:
+            if delay <= 0:
+                report.finished_recving.append(req_id)
+            else:
+                still.append((req_id, delay - 1))
+        self.loading = still
+        if meta is not None:
+            result.kv_connector_output = report
+        return result
+
+
+def make(fake_model: str, num_gpu_blocks: int, num_host_blocks: int | None, load_delay: int = 0,
+         **config) -> tuple[Scheduler, OffloadWorker]:
+    if num_host_blocks is not None:
+        config["kv_offloading_size"] = num_host_blocks * 32 / (1 << 30)
+    settings = dict(model=fake_model, dtype="float32", block_size=BLOCK_SIZE, max_num_batched_tokens=32)
+    scheduler = Scheduler(make_config(**{**settings, **config}), num_gpu_blocks=num_gpu_blocks)
+    schedulers_in_test.append(scheduler)
+    if num_host_blocks is not None:
+        assert scheduler.connector.host.num_blocks == num_host_blocks
+    return scheduler, OffloadWorker(scheduler, load_delay=load_delay)
+
+
+def shared_prefix_requests(n: int, seed: int = 0, prefix_len: int = 24) -> list:
+    import random
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, 400) for _ in range(prefix_len)] for _ in range(3)]
+    return [make_request(f"r{i}", prompt_token_ids=prefixes[i % 3] + [rng.randrange(10, 400) for _ in range(1 + i % 7)],
+                         max_tokens=8, ignore_eos=True) for i in range(n)]
+
+
+def run_rounds(scheduler: Scheduler, worker: OffloadWorker, rounds: int, n: int = 9) -> list[dict]:
+    results = []
+    for round_index in range(rounds):
+        for request in shared_prefix_requests(n):
+            scheduler.add_request(msgspec.structs.replace(request, request_id=f"{request.request_id}-{round_index}"))
+        results.append({k.rsplit("-", 1)[0]: tokens(v) for k, v in run(scheduler, worker, max_steps=5000).items()})
+    return results
+
+
+def assert_host_clean(scheduler: Scheduler) -> None:
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    host = connector.host
+    assert connector.swapped == {} and connector.loading == {} and connector.offers == {} and host.pins == {}
+    assert len(host.free_slots) + len(host.lru) == host.num_blocks
+    assert len(set(host.free_slots) | set(host.lru.values())) == host.num_blocks  # no slot twice
+
+
+@pytest.mark.parametrize("load_delay", [0, 2])
+def test_spilled_prefixes_come_back_from_the_host_tier(fake_model: str, load_delay: int) -> None:
+    # 16 GPU blocks hold about two requests: each round evicts the previous round's prefixes.
+    reference_scheduler, reference_worker = make(fake_model, 16, None)
+    reference = run_rounds(reference_scheduler, reference_worker, rounds=3)
+
+    scheduler, worker = make(fake_model, 16, 64, load_delay=load_delay)
+    results = run_rounds(scheduler, worker, rounds=3)
+    assert results == reference
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    assert connector.num_spilled > 0 and connector.num_loaded_hits > 0
+    assert worker.num_computed_tokens_total < reference_worker.num_computed_tokens_total
+    assert_host_clean(scheduler)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "v0"])
+@pytest.mark.parametrize("load_delay,pipelined", [(0, False), (1, False), (1, True)])
+def test_swap_preemption_matches_recompute_and_computes_less(fake_model: str, policy: str, load_delay: int,
+                                                             pipelined: bool) -> None:
+    def requests():
+        return [make_request(f"r{i}", num_prompt_tokens=10 + 3 * i, max_tokens=20, ignore_eos=True, priority=i % 3)
+                for i in range(8)]
+
+    budget = {"max_num_batched_tokens": 128} if policy == "v0" else {}
+    settings = dict(scheduling_policy=policy, enable_prefix_caching=False, max_model_len=128, **budget)
+    recompute, recompute_worker = make(fake_model, 20, None, **settings)
+    for request in requests():
+        recompute.add_request(request)
+    expected = {k: tokens(v) for k, v in run(recompute, recompute_worker, max_steps=5000).items()}
+    assert recompute.num_preemptions > 0
+
+    scheduler, worker = make(fake_model, 20, 200, load_delay=load_delay, preemption_mode="swap", **settings)
+    for request in requests():
+        scheduler.add_request(request)
+    got = {k: tokens(v) for k, v in run(scheduler, worker, max_steps=5000, pipelined=pipelined).items()}
+    assert got == expected
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    assert scheduler.num_preemptions > 0 and connector.num_swapped_in > 0
+    assert worker.num_computed_tokens_total < recompute_worker.num_computed_tokens_total
+    assert_host_clean(scheduler)
+
+
+def test_swap_without_host_room_falls_back_to_recompute(fake_model: str) -> None:
+    scheduler, worker = make(fake_model, 20, 2, preemption_mode="swap", enable_prefix_caching=False)
+    for i in range(8):
+        scheduler.add_request(make_request(f"r{i}", num_prompt_tokens=10 + 3 * i, max_tokens=20, ignore_eos=True))
+    outputs = run(scheduler, worker, max_steps=5000)
+    assert all(len(tokens(outputs[f"r{i}"])) == 20 for i in range(8))
+    assert scheduler.num_preemptions > 0
+    assert_host_clean(scheduler)
+
+
+def test_abort_while_swapped_out_and_while_swapping_in_frees_everything(fake_model: str) -> None:
+    scheduler, worker = make(fake_model, 12, 100, load_delay=3, preemption_mode="swap", enable_prefix_caching=False)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", num_prompt_tokens=12, max_tokens=16, ignore_eos=True))
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    aborted_swapped = aborted_loading = False
+    for _ in range(400):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, worker.execute(out))
+        for request_id, request in list(scheduler.requests.items()):
+            if not aborted_swapped and request_id in connector.swapped and request.status == RequestStatus.PREEMPTED:
+                scheduler.abort_requests([request_id])
+                aborted_swapped = True
+            elif not aborted_loading and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                scheduler.abort_requests([request_id])
+                assert request_id in scheduler.held_blocks  # the load still writes them
+                aborted_loading = True
+        if aborted_swapped and aborted_loading:
+            break
+    assert aborted_swapped and aborted_loading
+    run(scheduler, worker, max_steps=5000)  # the rest finish; run() checks no block is left held
+    assert_host_clean(scheduler)
+
+
+def test_reset_prefix_cache_empties_the_host_tier(fake_model: str) -> None:
+    scheduler, worker = make(fake_model, 16, 64)
+    run_rounds(scheduler, worker, rounds=2)
+    assert scheduler.connector.host.lru
+    assert scheduler.reset_prefix_cache()
+    assert not scheduler.connector.host.lru
+    assert_host_clean(scheduler)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+@pytest.mark.parametrize("load_delay", [0, 1])
+def test_loaded_requests_waiting_for_a_seat_never_starve_a_running_one(fake_model: str, load_delay: int,
+                                                                       pipelined: bool) -> None:
+    """Requests whose KV came back from the host hold blocks while they wait to be scheduled. A
+    running request that needs one of those blocks must get it (they give it up and load again
+    later) rather than preempt itself over and over."""
+    import random
+
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(10, 400) for _ in range(24)] for _ in range(4)]
+    prompts = [prefixes[i % 4] + [rng.randrange(10, 400) for _ in range(1 + rng.randrange(20))] for i in range(12)]
+    reference, reference_worker = make(fake_model, 24, None)
+    scheduler, worker = make(fake_model, 24, 500, load_delay=load_delay)
+    for round_index in range(2):
+        for sched, work, results in ((reference, reference_worker, expected := {}), (scheduler, worker, got := {})):
+            for i, prompt in enumerate(prompts):
+                sched.add_request(make_request(f"r{i}-{round_index}", prompt_token_ids=prompt, max_tokens=16,
+                                               ignore_eos=True))
+            results.update({k: tokens(v) for k, v in run(sched, work, max_steps=3000, pipelined=pipelined).items()})
+        assert got == expected
+    assert scheduler.connector.num_loaded_hits > 0
+    assert_host_clean(scheduler)
