@@ -114,8 +114,9 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
     head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     kv_heads_per_rank = max(1, kv_heads // config.tensor_parallel_size)
     if config.kv_cache_dtype.startswith("fp8"):
-        element_size = 1
-    elif config.dtype == "float32":
+        # e4m3 bytes plus a float32 scale per vector (worker/attention/kv_cache.py's layout)
+        return 2 * config.block_size * kv_heads_per_rank * (head_dim + 4) * int(text["num_hidden_layers"])
+    if config.dtype == "float32":
         element_size = 4
     elif config.dtype in ("bfloat16", "float16"):
         element_size = 2

@@ -91,6 +91,19 @@ def test_greedy_outputs_identical_with_the_tier_under_preemption_and_churn(engin
     assert delta_with["num_prefill_tokens"] < delta_without["num_prefill_tokens"]
 
 
+def test_fp8_cache_blocks_spill_and_swap_unchanged(engines) -> None:
+    """kv_cache_dtype="fp8" packs each block's e4m3 bytes and scales into one row; the tier moves
+    those rows whole, so outputs with it equal outputs without it (both FP8)."""
+    without = engines(kv_cache_dtype="fp8")
+    with_tier = engines(kv_cache_dtype="fp8", kv_offloading_size=HOST_GIB, preemption_mode="swap")
+    first, second, delta_without = generate_twice(without)
+    assert first == second
+    first_tier, second_tier, delta_with = generate_twice(with_tier)
+    assert first_tier == first and second_tier == first
+    assert delta_with["num_preemptions"] > 0
+    assert delta_with["num_prefill_tokens"] < delta_without["num_prefill_tokens"]
+
+
 def test_abort_under_swapping_frees_everything_and_serving_goes_on(engines, reference) -> None:
     llm = engines(kv_offloading_size=HOST_GIB, preemption_mode="swap", scheduling_policy="fcfs")
     long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # the longest prompt + 48 fits
