@@ -77,7 +77,7 @@ def remove_ipc_file(address: str) -> None:
             pass
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -88,7 +88,7 @@ def spawn_child(module: str, args: list[str], env: dict[str, str] | None = None)
     return subprocess.Popen(
         [sys.executable, "-c", _CHILD_MAIN, PACKAGE_DIR, module, *args],
         env=dict(os.environ if env is None else env),
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         stdin=subprocess.DEVNULL,
     )
 

@@ -9,6 +9,8 @@ import time
 import urllib.error
 import urllib.request
 
+from minivllm.protocol.ipc import die_with_parent
+
 from tests.server_procs import MINIVLLM, free_port
 
 
@@ -22,7 +24,8 @@ class ProxyProcess:
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"minivllm-proxy-{self.port}.log")
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen([*MINIVLLM, "proxy", "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-                                      "--port", str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT)
+                                      "--port", str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                      preexec_fn=die_with_parent)  # no orphan server if the test run is killed
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

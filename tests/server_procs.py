@@ -10,6 +10,8 @@ import sys
 import time
 import urllib.request
 
+from minivllm.protocol.ipc import die_with_parent
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINIVLLM = [sys.executable, os.path.join(REPO_ROOT, "bin", "minivllm")]
 
@@ -51,7 +53,8 @@ class ServerProcess:
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"minivllm-serve-{self.port}.log")
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen([*MINIVLLM, "serve", "--model", model, "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     preexec_fn=die_with_parent)  # no orphan server if the test run is killed
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
