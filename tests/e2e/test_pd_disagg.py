@@ -16,12 +16,8 @@ import urllib.request
 import openai
 import pytest
 
-# The KV connector interface (core/kv_connector/base.py, branch kv) carries these connectors; until
-# it is merged there is nothing to run them on.
-pytest.importorskip("minivllm.core.kv_connector.base", reason="the KV connector interface is not merged yet")
-
-from tests.pd_procs import ProxyProcess  # noqa: E402
-from tests.server_procs import ServerProcess, children_of, free_port  # noqa: E402
+from tests.pd_procs import ProxyProcess
+from tests.server_procs import ServerProcess, children_of, free_port
 
 COMMON = ("--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "96", "--max-model-len", "256",
           "--block-size", "8")
