@@ -62,7 +62,7 @@ def test_fp8_kv_cache_on_smollm2(smollm2_dir: str) -> None:
     assert max_drift <= 1.5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_fp8_kv_cache_on_tiny_models(tiny_model_factory, arch: str) -> None:
     model = tiny_model_factory(arch)
     rng = np.random.default_rng(0)

@@ -70,8 +70,8 @@ def generate_twice(llm: LLM, priority=None) -> tuple[list[list[int]], list[list[
     [
         dict(),
         dict(preemption_mode="swap"),
-        dict(preemption_mode="swap", scheduling_policy="v0"),
-        dict(preemption_mode="swap", scheduling_policy="priority"),
+        pytest.param(dict(preemption_mode="swap", scheduling_policy="v0"), marks=pytest.mark.slow),
+        pytest.param(dict(preemption_mode="swap", scheduling_policy="priority"), marks=pytest.mark.slow),
         pytest.param(dict(preemption_mode="swap", async_scheduling=False), marks=pytest.mark.slow),
         pytest.param(dict(preemption_mode="swap", enable_prefix_caching=False), marks=pytest.mark.slow),
     ],
