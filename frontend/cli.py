@@ -79,6 +79,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="mp: worker processes on this machine; ray: Ray actors (joins a running cluster)")
     d.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (each with its own tensor-parallel group) behind one frontend")
+    d.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split the model's layers into this many stages (each a tensor-parallel group)")
+
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-config", default=None, type=_json_object,
+                   help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '
+                        '"num_speculative_tokens": 4}\'')
 
 
 def _json_object(text: str) -> dict:
@@ -117,6 +125,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_transfer_config=args.kv_transfer_config,
         distributed_executor_backend=args.distributed_executor_backend,
         data_parallel_size=args.data_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -32,6 +32,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # KV connector roles (vLLM's KVTransferConfig.kv_role).
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# Speculative decoding proposers (vLLM's speculative_config["method"]).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 class KVTransferConfig(msgspec.Struct, kw_only=True):
@@ -43,6 +45,18 @@ class KVTransferConfig(msgspec.Struct, kw_only=True):
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
     kv_connector_extra_config: dict = {}
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True):
+    """vLLM's speculative_config: how draft tokens are proposed and how many per step.
+    ngram: prompt lookup (the last prompt_lookup_min..max tokens matched earlier in the sequence);
+    draft_model: a smaller model (`model`, a directory) run in the same worker with its own KV."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -95,6 +109,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # --- distributed execution ---
     distributed_executor_backend: str = "mp"  # one of DISTRIBUTED_EXECUTOR_BACKENDS
     data_parallel_size: int = 1  # engine cores behind one frontend, each with its own TP group
+    pipeline_parallel_size: int = 1  # layer stages, each a TP group, with several batches in flight
+
+    # --- speculative decoding ---
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def create(
@@ -126,6 +144,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         kv_transfer_config: KVTransferConfig | dict | None = None,
         distributed_executor_backend: str = "mp",
         data_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> "EngineConfig":
         """Validate the user's arguments and fill in what the model's config decides."""
         if not os.path.isdir(model):
@@ -161,6 +181,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         kv_transfer_config = _check_kv_transfer(kv_offloading_size, preemption_mode, kv_transfer_config)
 
         _check_distributed(distributed_executor_backend, data_parallel_size, tensor_parallel_size, device)
+        _check_pipeline_parallel(pipeline_parallel_size)
+        speculative_config = _check_speculative(speculative_config)
 
         from transformers import AutoConfig  # lazy: only the process that builds configs pays
 
@@ -220,6 +242,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             kv_transfer_config=kv_transfer_config,
             distributed_executor_backend=distributed_executor_backend,
             data_parallel_size=data_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            speculative_config=speculative_config,
         )
 
 
@@ -308,6 +332,29 @@ def _check_distributed(distributed_executor_backend: str, data_parallel_size: in
                 f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
                 f"{needed} CUDA devices, but {visible} are visible (CUDA_VISIBLE_DEVICES); lower one of them, or "
                 "use distributed_executor_backend='ray' to span several machines.")
+
+
+def _check_pipeline_parallel(pipeline_parallel_size: int) -> None:
+    _check_at_least("pipeline_parallel_size", pipeline_parallel_size, 1)
+    if pipeline_parallel_size > 1:
+        raise ValueError("pipeline_parallel_size > 1 is not supported yet; use 1 (tensor_parallel_size "
+                         "and data_parallel_size scale today).")
+
+
+def _check_speculative(speculative_config: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+    """A dict speculative_config (as from JSON or vLLM's LLM(...)) becomes a SpeculativeConfig."""
+    if speculative_config is None:
+        return None
+    if isinstance(speculative_config, dict):
+        try:
+            speculative_config = msgspec.convert(speculative_config, SpeculativeConfig)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid speculative_config: {e}") from None
+    elif not isinstance(speculative_config, SpeculativeConfig):
+        raise ValueError(f"speculative_config must be a dict or a SpeculativeConfig, got "
+                         f"{type(speculative_config).__name__}.")
+    _check_choice("speculative_config['method']", speculative_config.method, SPECULATIVE_METHODS)
+    raise ValueError("speculative decoding is not supported yet; leave speculative_config unset.")
 
 
 def _check_tensor_parallel_size(size: int, hf_config, device: str, backend: str = "mp") -> None:

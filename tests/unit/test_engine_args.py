@@ -32,3 +32,11 @@ def test_help_documents_the_scheduler_flags() -> None:
         for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
                      "--long-prefill-token-threshold"):
             assert flag in text
+
+
+def test_speculative_and_pipeline_flags_reach_the_engine_arguments() -> None:
+    kwargs = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                   "--pipeline-parallel-size", "2")
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert kwargs["pipeline_parallel_size"] == 2
+    assert parse()["speculative_config"] is None and parse()["pipeline_parallel_size"] == 1
