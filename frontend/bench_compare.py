@@ -289,6 +289,24 @@ def write_markdown(report: dict, plots: list[str], out_dir: str) -> str:
     return path
 
 
+def load_finished_setups(out_dir: str, workload_key: dict, rates: list[float]) -> tuple[dict, dict, dict | None]:
+    """The setups an earlier run in out_dir measured on this same workload and rates (for --resume:
+    a long comparison split over several invocations still ends in one report)."""
+    path = os.path.join(out_dir, "results.json")
+    if not os.path.exists(path):
+        return {}, {}, None
+    with open(path) as f:
+        earlier = json.load(f)
+    if earlier.get("workload") != workload_key:
+        raise ValueError(f"--resume: {path} was measured on workload {earlier.get('workload')}, not {workload_key}; "
+                         "use another --out-dir or the same workload flags")
+    runs, raws = {}, {}
+    for setup, results in earlier["runs"].items():
+        if [float(r["request_rate"]) for r in results] == [float(r) for r in rates]:  # float("inf") too
+            runs[setup], raws[setup] = results, earlier["raw"][setup]
+    return runs, raws, earlier.get("kv_transfer")
+
+
 def cmd_bench_compare(args: argparse.Namespace) -> int:
     from minivllm.frontend.bench import make_workload
     from minivllm.frontend.bench_serve import parse_goodput, parse_rates, print_result, vocab_size_of
@@ -312,7 +330,15 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     kv_stats_path = os.path.join(tempfile.mkdtemp(prefix="minivllm-kv-stats-"), "kv_transfer.jsonl")
     runs: dict[str, list[dict]] = {}
     raws: dict[str, list[dict]] = {}
+    workload_key = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                    "seed": args.seed}
+    kept_kv_transfer = None
+    if args.resume:
+        runs, raws, kept_kv_transfer = load_finished_setups(args.out_dir, workload_key, rates)
+        print(f"resuming: keeping {', '.join(runs) or 'nothing'} from {args.out_dir}/results.json", flush=True)
     for setup in setups:
+        if setup in runs:
+            continue
         print(f"=== {setup}: starting", flush=True)
         url, procs = start_setup(setup, args.model, serve_args, gpus, log_dir, kv_stats_path, args.startup_timeout)
         try:
@@ -331,11 +357,10 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         finally:
             for proc in reversed(procs):
                 proc.stop()
+    kv_transfer = read_kv_transfer_stats(kv_stats_path) if "1p1d" in setups and "1p1d" in raws else None
     report = {"model": args.model, "serve_args": args.serve_args or "", "gpus": gpus,
-              "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                           "seed": args.seed},
-              "goodput_slos_ms": goodput or None, "runs": runs,
-              "kv_transfer": read_kv_transfer_stats(kv_stats_path) if "1p1d" in setups else None,
+              "workload": workload_key, "goodput_slos_ms": goodput or None, "runs": runs,
+              "kv_transfer": kv_transfer or kept_kv_transfer,
               "copy_bandwidth_gb_per_s": copy_bandwidth}
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump({**report, "raw": raws}, f, indent=1)
@@ -362,4 +387,7 @@ def add_bench_compare_parser(kinds: argparse._SubParsersAction) -> None:
     cp.add_argument("--seed", type=int, default=0)
     cp.add_argument("--startup-timeout", type=float, default=600.0, help="seconds an instance may take to come up")
     cp.add_argument("--out-dir", default="bench_compare", help="where report.md, results.json, PNGs and logs go")
+    cp.add_argument("--resume", action="store_true",
+                    help="keep the setups OUT_DIR/results.json already holds for this workload and rates, run the "
+                         "rest, and report them all (splits a long comparison over several invocations)")
     cp.set_defaults(func=cmd_bench_compare)

@@ -14,11 +14,11 @@ from tests.server_procs import MINIVLLM
 SERVE_ARGS = "--device cpu --num-gpu-blocks 128 --max-model-len 256"
 
 
-def run_compare(tiny_llama: str, out_dir: str, setups: str) -> dict:
+def run_compare(tiny_llama: str, out_dir: str, setups: str, *extra: str) -> dict:
     result = subprocess.run(
         [*MINIVLLM, "bench", "compare", "--model", tiny_llama, "--setups", setups, "--serve-args", SERVE_ARGS,
          "--num-prompts", "4", "--input-len", "40:90", "--output-len", "6", "--request-rate", "inf,20",
-         "--goodput", "ttft:60000", "--startup-timeout", "120", "--out-dir", out_dir],
+         "--goodput", "ttft:60000", "--startup-timeout", "120", "--out-dir", out_dir, *extra],
         capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(os.path.join(out_dir, "results.json")) as f:
@@ -27,9 +27,15 @@ def run_compare(tiny_llama: str, out_dir: str, setups: str) -> dict:
 
 @pytest.mark.parametrize("setups", ["v1,1p1d", pytest.param("v0,v1,v1x2,1p1d", marks=pytest.mark.slow)])
 def test_bench_compare_writes_a_report_for_every_setup(tiny_llama: str, tmp_path, setups: str) -> None:
-    """CI runs two setups (each start costs ~10 s on a 2-core box); -m slow runs four."""
+    """CI runs two setups (each start costs ~10 s on a 2-core box), the second through --resume,
+    which keeps the first's measurements; -m slow runs four in one go."""
     out_dir = str(tmp_path / "compare")
-    report = run_compare(tiny_llama, out_dir, setups)
+    if setups == "v1,1p1d":
+        first = run_compare(tiny_llama, out_dir, "v1")
+        report = run_compare(tiny_llama, out_dir, setups, "--resume")
+        assert report["runs"]["v1"] == first["runs"]["v1"]  # kept, not measured again
+    else:
+        report = run_compare(tiny_llama, out_dir, setups)
     assert list(report["runs"]) == setups.split(",")
     for setup, results in report["runs"].items():
         assert [r["request_rate"] for r in results] == ["inf", 20.0]
