@@ -51,7 +51,8 @@ def main() -> None:
             results = []
             for bn, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
                 try:
-                    t = do_bench(lambda: paged_attention(q, cache, md, 0.088, tiles=(16, bn, warps, stages)),
+                    t = do_bench(lambda cache=cache, bn=bn, warps=warps, stages=stages: paged_attention(
+                        q, cache, md, 0.088, tiles=(16, bn, warps, stages)),
                                  warmup=5, rep=40)
                 except Exception:  # out of shared memory etc.
                     continue

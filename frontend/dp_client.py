@@ -140,9 +140,9 @@ def core_environments(config: EngineConfig) -> list[dict[str, str]]:
     n, tp = config.data_parallel_size, config.tensor_parallel_size
     envs = [dict(os.environ) for _ in range(n)]
     if config.distributed_executor_backend == "mp":
-        from minivllm.protocol.config import _runs_on_cuda
+        from minivllm.protocol.config import runs_on_cuda
 
-        if _runs_on_cuda(config.device):
+        if runs_on_cuda(config.device):
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             if visible is not None:
                 devices = [d.strip() for d in visible.split(",") if d.strip()]

@@ -199,7 +199,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"({derived_len}); use a value in [1, {derived_len}]."
             )
         _check_tensor_parallel_size(tensor_parallel_size, hf_config, device, distributed_executor_backend)
-        default_budget = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if _runs_on_cuda(device) else DEFAULT_MAX_NUM_BATCHED_TOKENS
+        default_budget = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if runs_on_cuda(device) else DEFAULT_MAX_NUM_BATCHED_TOKENS
         if scheduling_policy == "v0":
             # V0 prefills whole prompts, so one step must hold the longest one (vLLM V0's rule);
             # by default the budget grows to fit.
@@ -323,7 +323,7 @@ def _check_distributed(distributed_executor_backend: str, data_parallel_size: in
         if importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray: `pip install ray` (or "
                              "`pip install minivllm[ray]`) on every node, or use 'mp'.")
-    elif data_parallel_size > 1 and _runs_on_cuda(device):
+    elif data_parallel_size > 1 and runs_on_cuda(device):
         import torch
 
         visible, needed = torch.cuda.device_count(), data_parallel_size * tensor_parallel_size
@@ -370,7 +370,7 @@ def _check_tensor_parallel_size(size: int, hf_config, device: str, backend: str 
             f"tensor_parallel_size={size} does not split this model ({heads} attention heads, {kv_heads} KV "
             f"heads, intermediate_size {intermediate}); use one of {', '.join(map(str, allowed))}."
         )
-    if size > 1 and backend == "mp" and _runs_on_cuda(device):  # ray: the cluster's GPUs count
+    if size > 1 and backend == "mp" and runs_on_cuda(device):  # ray: the cluster's GPUs count
         import torch
 
         visible = torch.cuda.device_count()
@@ -379,7 +379,7 @@ def _check_tensor_parallel_size(size: int, hf_config, device: str, backend: str 
                              f"(CUDA_VISIBLE_DEVICES); use a value in [1, {visible}].")
 
 
-def _runs_on_cuda(device: str) -> bool:
+def runs_on_cuda(device: str) -> bool:
     """Whether the workers will run on CUDA (device "auto" asks torch, only if it is installed here)."""
     if device != "auto":
         return device == "cuda"

@@ -25,8 +25,11 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A child imports `minivllm` from PACKAGE_DIR, the very copy its parent runs, then runs the module
 # as `python -m` would. `python -m minivllm...` alone would not do: a checkout run through
 # bin/minivllm has no directory named `minivllm` on any path.
+# `kill -USR1 PID` makes an engine or worker process print every thread's stack to stderr (a stuck
+# step or collective shows where it waits).
 _CHILD_MAIN = """\
-import importlib.util, runpy, sys
+import faulthandler, importlib.util, runpy, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 package_dir, module = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location(
     "minivllm", f"{package_dir}/__init__.py", submodule_search_locations=[package_dir])

@@ -63,6 +63,11 @@ KV_CONNECTORS: dict[str, tuple[str, str]] = {
         "minivllm.core.kv_connector.pd_connector:PDConnectorScheduler",
         "minivllm.worker.kv_connector.pd_connector:PDConnectorWorker",
     ),
+    # The same, the blocks moving device to device: NCCL between GPUs (gloo between CPU instances).
+    "P2pNcclConnector": (
+        "minivllm.core.kv_connector.pd_connector:PDConnectorScheduler",
+        "minivllm.worker.kv_connector.pd_connector:P2pNcclConnectorWorker",
+    ),
 }
 # What kv_offloading_size alone selects (as in vLLM, the CPU offload tier is a connector inside).
 OFFLOADING_CONNECTOR = "OffloadingConnector"

@@ -121,9 +121,9 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
     elif config.dtype in ("bfloat16", "float16"):
         element_size = 2
     else:  # auto: float32 on CPU, bfloat16 on CUDA (as the worker resolves it)
-        from minivllm.protocol.config import _runs_on_cuda
+        from minivllm.protocol.config import runs_on_cuda
 
-        element_size = 2 if _runs_on_cuda(config.device) else 4
+        element_size = 2 if runs_on_cuda(config.device) else 4
     return 2 * config.block_size * kv_heads_per_rank * head_dim * element_size * int(text["num_hidden_layers"])
 
 

@@ -9,9 +9,10 @@ API_KEY_ENV = "MINIVLLM_API_KEY"
 
 # `--kv-transfer-role` -> vLLM's kv_role, and the prefill/decode connectors it picks from.
 KV_TRANSFER_ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}
-# Over ZMQ/TCP as raw buffer frames (on GPUs through host memory; an NCCL GPU-to-GPU connector
-# is not built yet, so the role picks this one on every device).
+# The connector --kv-transfer-role picks: on GPUs the blocks go device to device over NCCL; on CPU
+# over ZMQ/TCP as raw buffer frames. (--kv-transfer-config names either explicitly.)
 ZMQ_PD_CONNECTOR = "ZmqTcpConnector"
+NCCL_PD_CONNECTOR = "P2pNcclConnector"
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="producer: a prefill instance that keeps a finished prompt's KV for a decode instance "
                         "to pull; consumer: a decode instance that pulls it (see `minivllm proxy`). Short for "
                         f"--kv-transfer-config with kv_role kv_producer / kv_consumer and the connector "
-                        f"{ZMQ_PD_CONNECTOR}")
+                        f"{NCCL_PD_CONNECTOR} on CUDA (GPU to GPU), {ZMQ_PD_CONNECTOR} on CPU")
     k.add_argument("--kv-ip", default=None,
                    help="producer: the address its KV server listens on and tells decode instances "
                         "(default 127.0.0.1)")
@@ -62,7 +63,10 @@ def resolve_kv_transfer_config(args: argparse.Namespace) -> dict | None:
         if config.setdefault("kv_role", kv_role) != kv_role:
             raise ValueError(f"--kv-transfer-role {role} means kv_role {kv_role!r}, but --kv-transfer-config says "
                              f"{config['kv_role']!r}; give one of them")
-        config.setdefault("kv_connector", ZMQ_PD_CONNECTOR)
+        if "kv_connector" not in config:
+            from minivllm.protocol.config import runs_on_cuda
+
+            config["kv_connector"] = NCCL_PD_CONNECTOR if runs_on_cuda(args.device) else ZMQ_PD_CONNECTOR
     for key, value in (("kv_ip", args.kv_ip), ("kv_port", args.kv_port)):
         if value is not None:
             config.setdefault(key, value)

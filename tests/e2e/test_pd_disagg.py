@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation end to end on CPU (fp32, tiny model): two real `minivllm serve`
-instances (KV producer and consumer, ZMQ/TCP transport) behind the real `minivllm proxy`, spoken
+instances (KV producer and consumer; ZMQ/TCP transport, and the P2pNcclConnector's
+point-to-point one over gloo) behind the real `minivllm proxy`, spoken
 to with the real openai client. Greedy output is token-identical to one colocated instance; a
 producer killed before the pull fails the request clearly (never a hang) and frees the consumer's
 blocks; /health names the dead instance."""
@@ -25,14 +26,18 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog and then", "Paris is the
            "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"]
 
 
-def producer_args(port: int, hold_timeout_s: float = 60.0) -> tuple[str, ...]:
-    config = {"kv_connector": "ZmqTcpConnector", "kv_role": "kv_producer", "kv_port": port,
+# ZMQ/TCP raw frames, and device-to-device point-to-point (NCCL on GPUs; gloo here on CPU).
+CONNECTORS = ["ZmqTcpConnector", "P2pNcclConnector"]
+
+
+def producer_args(port: int, hold_timeout_s: float = 60.0, connector: str = "ZmqTcpConnector") -> tuple[str, ...]:
+    config = {"kv_connector": connector, "kv_role": "kv_producer", "kv_port": port,
               "kv_connector_extra_config": {"hold_timeout_s": hold_timeout_s}}
     return (*COMMON, "--kv-transfer-config", json.dumps(config))
 
 
-def consumer_args(pull_timeout_s: float = 3.0) -> tuple[str, ...]:
-    config = {"kv_connector": "ZmqTcpConnector", "kv_role": "kv_consumer",
+def consumer_args(pull_timeout_s: float = 3.0, connector: str = "ZmqTcpConnector") -> tuple[str, ...]:
+    config = {"kv_connector": connector, "kv_role": "kv_consumer",
               "kv_connector_extra_config": {"pull_timeout_s": pull_timeout_s}}
     return (*COMMON, "--kv-transfer-config", json.dumps(config))
 
@@ -60,10 +65,10 @@ def colocated(tiny_llama: str):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_llama: str):
-    producer = ServerProcess(tiny_llama, *producer_args(free_port()))
-    consumer = ServerProcess(tiny_llama, *consumer_args())
+@pytest.fixture(scope="module", params=CONNECTORS)
+def pd(tiny_llama: str, request):
+    producer = ServerProcess(tiny_llama, *producer_args(free_port(), connector=request.param))
+    consumer = ServerProcess(tiny_llama, *consumer_args(connector=request.param))
     proxy = ProxyProcess([producer.url], [consumer.url])
     yield producer, consumer, proxy
     proxy.stop()
@@ -108,12 +113,14 @@ def test_a_prefill_answer_carries_kv_transfer_params(pd) -> None:
     assert params["remote_host"] == "127.0.0.1" and isinstance(params["remote_port"], int)
 
 
-def test_a_killed_producer_fails_the_request_clearly_and_frees_the_blocks(tiny_llama: str) -> None:
+@pytest.mark.parametrize("connector", ["P2pNcclConnector", pytest.param("ZmqTcpConnector", marks=pytest.mark.slow)])
+def test_a_killed_producer_fails_the_request_clearly_and_frees_the_blocks(tiny_llama: str, connector: str) -> None:
     """The prefill instance dies after prefilling, before the decode instance pulls: the client gets
     a clear error within the pull timeout (the proxy has no other prefill instance to retry on),
-    the consumer frees the blocks it reserved, and /health says which instance is down."""
-    producer = ServerProcess(tiny_llama, *producer_args(free_port()))
-    consumer = ServerProcess(tiny_llama, *consumer_args(pull_timeout_s=2.0))
+    the consumer frees the blocks it reserved, and /health says which instance is down. (The two
+    transports share this control path; CI runs one.)"""
+    producer = ServerProcess(tiny_llama, *producer_args(free_port(), connector=connector))
+    consumer = ServerProcess(tiny_llama, *consumer_args(pull_timeout_s=2.0, connector=connector))
     proxy = ProxyProcess([producer.url], [consumer.url])
     try:
         body = {"prompt": PROMPTS[2], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}

@@ -65,8 +65,10 @@ def test_kv_transfer_role_is_sugar_for_kv_transfer_config() -> None:
         return resolve_kv_transfer_config(build_parser().parse_args(["serve", "--model", "m", *argv]))
 
     assert resolve() is None
-    assert resolve("--kv-transfer-role", "producer", "--kv-port", "15000") == {
+    assert resolve("--kv-transfer-role", "producer", "--kv-port", "15000", "--device", "cpu") == {
         "kv_role": "kv_producer", "kv_connector": "ZmqTcpConnector", "kv_port": 15000}
+    # on GPUs the blocks go device to device
+    assert resolve("--kv-transfer-role", "consumer", "--device", "cuda")["kv_connector"] == "P2pNcclConnector"
     assert resolve("--kv-transfer-role", "consumer", "--kv-transfer-config", '{"kv_connector": "X"}') == {
         "kv_role": "kv_consumer", "kv_connector": "X"}
     with pytest.raises(ValueError, match="means kv_role 'kv_producer'"):

@@ -1,4 +1,5 @@
-"""Prefill/decode disaggregation, worker side, over ZMQ/TCP (the ZmqTcpConnector).
+"""Prefill/decode disaggregation, worker side: over ZMQ/TCP (the ZmqTcpConnector) or device to
+device (the P2pNcclConnector: NCCL between GPUs, gloo on CPU; ZMQ still carries the control).
 
 Each worker rank runs its half of the transport (pd_zmq_transport): a producer rank serves its
 shard of the held blocks at kv_port + rank; a consumer rank pulls its shard from the same rank of
@@ -21,6 +22,7 @@ from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.kv_transfer import KVConnectorOutput
 from minivllm.protocol.messages import SchedulerOutput
 from minivllm.worker.kv_connector.base import KVConnectorWorkerBase
+from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,9 @@ KV_TRANSFER_STATS_ENV = "MINIVLLM_KV_TRANSFER_STATS"
 class PDConnectorWorker(KVConnectorWorkerBase):
     metadata_type: ClassVar[type] = PDConnectorMetadata
     poll_interval_s: ClassVar[float] = 0.002
+    # The transport's two halves (pd_nccl_transport has the GPU-to-GPU ones).
+    server_class: ClassVar[type[KVBlockServer]] = KVBlockServer
+    puller_class: ClassVar[type[KVBlockPuller]] = KVBlockPuller
 
     def __init__(self, config: EngineConfig, rank: int, device: torch.device) -> None:
         super().__init__(config, rank, device)
@@ -51,9 +56,12 @@ class PDConnectorWorker(KVConnectorWorkerBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         if self.role in ("kv_producer", "kv_both"):
-            self.server = KVBlockServer(kv_caches, self.host, self.port + self.rank, self.hold_timeout_s)
+            self.server = self.make_server(kv_caches)
         if self.role in ("kv_consumer", "kv_both"):
-            self.puller = KVBlockPuller(kv_caches, self.pull_timeout_s)
+            self.puller = self.puller_class(kv_caches, self.pull_timeout_s)
+
+    def make_server(self, kv_caches: list[torch.Tensor]) -> KVBlockServer:
+        return self.server_class(kv_caches, self.host, self.port + self.rank, self.hold_timeout_s)
 
     def handle_preemptions(self) -> None:
         # The scheduler gave up on these (its transfer timeout) and freed their blocks in this step:
@@ -99,3 +107,14 @@ class PDConnectorWorker(KVConnectorWorkerBase):
             self.server.close()
         if self.puller is not None:
             self.puller.close()
+
+
+class P2pNcclConnectorWorker(PDConnectorWorker):
+    """The same protocol with the blocks moving device to device (pd_nccl_transport): NCCL between
+    GPUs, gloo between CPU instances. The scheduler side is the ZmqTcpConnector's."""
+
+    server_class: ClassVar[type[KVBlockServer]] = NcclBlockServer
+    puller_class: ClassVar[type[KVBlockPuller]] = NcclBlockPuller
+
+    def make_server(self, kv_caches: list[torch.Tensor]) -> KVBlockServer:
+        return NcclBlockServer(kv_caches, self.host, self.port + self.rank, self.hold_timeout_s, self.pull_timeout_s)

@@ -82,6 +82,8 @@ class HeldRequest:
 class KVBlockServer:
     """The producer side of one worker rank: a ROUTER socket served by a daemon thread."""
 
+    decode_request = staticmethod(_decode_request)
+
     def __init__(self, kv_caches: list[torch.Tensor], host: str, port: int, hold_timeout_s: float = 60.0) -> None:
         self.kv_caches = kv_caches
         self.hold_timeout_s = hold_timeout_s
@@ -147,7 +149,7 @@ class KVBlockServer:
                 continue
             try:
                 identity, payload = self.socket.recv_multipart()
-                request = _decode_request(payload)
+                request = self.decode_request(payload)
             except (ValueError, msgspec.DecodeError) as e:  # a stray or malformed message: say so, go on
                 logger.warning("KV server: bad pull request: %s", e)
                 continue
@@ -155,6 +157,12 @@ class KVBlockServer:
                 if self.stopped.is_set():
                     return
                 raise
+            if not isinstance(request, PullRequest):
+                try:
+                    self.handle_message(identity, request)
+                except Exception:  # noqa: BLE001 - one bad message must not stop the server
+                    logger.exception("KV server: handling %s failed", type(request).__name__)
+                continue
             try:
                 with self.lock:
                     waits = request.req_id not in self.held and request.req_id not in self.gone
@@ -167,6 +175,10 @@ class KVBlockServer:
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
                 logger.exception("KV server: sending %s failed", request.req_id)
                 self.socket.send_multipart([identity, _encode(PullError(request.req_id, f"{type(e).__name__}: {e}"))])
+
+    def handle_message(self, identity: bytes, message: msgspec.Struct) -> None:
+        """A message other than a pull (a transport's own control message)."""
+        raise ValueError(f"unexpected message {type(message).__name__}")
 
     def _forget(self, req_id: str) -> None:
         """Remember (a bounded number of) ids whose blocks are gone, to refuse their pulls at once."""
@@ -204,13 +216,19 @@ class KVBlockServer:
             if error is not None:
                 self.socket.send_multipart([identity, _encode(PullError(request.req_id, error))])
                 return
-            # Gathered into host copies (on CUDA one device-to-host copy per layer) while the lock
-            # keeps the blocks ours; then the blocks may go.
-            layers = [gather_blocks(kv_cache, request.block_ids) for kv_cache in self.kv_caches]
+            layers = self.read_blocks(identity, request)
             with self.lock:
                 if self.held.pop(request.req_id, None) is not None:
                     self.released.add(request.req_id)
                     self._forget(request.req_id)
+        self.write_blocks(identity, request, layers)
+
+    def read_blocks(self, identity: bytes, request: PullRequest) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Called while the lock keeps the blocks ours; once it returns they may be freed. Here:
+        gathered into host copies (on CUDA one device-to-host copy per layer)."""
+        return [gather_blocks(kv_cache, request.block_ids) for kv_cache in self.kv_caches]
+
+    def write_blocks(self, identity: bytes, request: PullRequest, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         num_layers = len(layers)
         for layer, (keys, values) in enumerate(layers):
             header = LayerHeader(request.req_id, layer, num_layers, str(keys.dtype).removeprefix("torch."),
@@ -241,6 +259,8 @@ class PullJob:
 class KVBlockPuller:
     """The consumer side of one worker rank: a daemon thread runs pull jobs one after another."""
 
+    decode_reply = staticmethod(_decode_reply)
+
     def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float = 30.0) -> None:
         self.kv_caches = kv_caches
         self.timeout_s = timeout_s
@@ -268,6 +288,10 @@ class KVBlockPuller:
         is written into the cache (a layer being scattered finishes first, under the lock)."""
         with self.scatter_lock:
             self.cancelled.update(req_ids)
+            if self.stream is not None:
+                # Scatters already enqueued on the side stream land before the compute stream
+                # reuses those blocks.
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def take_finished(self) -> tuple[set[str], dict[str, str]]:
         """Requests whose KV arrived, and those that failed (id -> why), since the last call."""
@@ -332,7 +356,7 @@ class KVBlockPuller:
                 raise TimeoutError(f"the producer at {job.address} sent nothing for {self.timeout_s:g} s "
                                    f"(layer {layers_seen} of {num_layers}); it may have died")
             frames = socket.recv_multipart(copy=False)
-            reply = _decode_reply(frames[0].buffer)
+            reply = self.decode_reply(frames[0].buffer)
             if reply.req_id != job.remote_req_id:
                 continue  # a late answer to an earlier pull that gave up
             if isinstance(reply, PullError):
