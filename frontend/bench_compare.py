@@ -336,6 +336,17 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     if args.resume:
         runs, raws, kept_kv_transfer = load_finished_setups(args.out_dir, workload_key, rates)
         print(f"resuming: keeping {', '.join(runs) or 'nothing'} from {args.out_dir}/results.json", flush=True)
+
+    def save() -> dict:
+        """results.json as it stands (after every setup, so an interrupted run can --resume)."""
+        kv_transfer = read_kv_transfer_stats(kv_stats_path) if "1p1d" in setups and "1p1d" in raws else None
+        report = {"model": args.model, "serve_args": args.serve_args or "", "gpus": gpus,
+                  "workload": workload_key, "goodput_slos_ms": goodput or None, "runs": runs,
+                  "kv_transfer": kv_transfer or kept_kv_transfer, "copy_bandwidth_gb_per_s": copy_bandwidth}
+        with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+            json.dump({**report, "raw": raws}, f, indent=1)
+        return report
+
     for setup in setups:
         if setup in runs:
             continue
@@ -357,13 +368,8 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         finally:
             for proc in reversed(procs):
                 proc.stop()
-    kv_transfer = read_kv_transfer_stats(kv_stats_path) if "1p1d" in setups and "1p1d" in raws else None
-    report = {"model": args.model, "serve_args": args.serve_args or "", "gpus": gpus,
-              "workload": workload_key, "goodput_slos_ms": goodput or None, "runs": runs,
-              "kv_transfer": kv_transfer or kept_kv_transfer,
-              "copy_bandwidth_gb_per_s": copy_bandwidth}
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({**report, "raw": raws}, f, indent=1)
+        save()
+    report = save()
     plots = plot_report(runs, raws, args.out_dir)
     print(f"report: {write_markdown(report, plots, args.out_dir)}")
     return 0 if all(r["completed"] == r["num_prompts"] for results in runs.values() for r in results) else 1

@@ -74,7 +74,8 @@ def test_a_refused_pull_fails_clearly_and_the_next_one_is_served() -> None:
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     server = NcclBlockServer(producer, "127.0.0.1", port)
-    puller = NcclBlockPuller(consumer, timeout_s=10.0)
+    # (A pull of a request not held yet waits hold_grace_s, 10 s, for the hold to come.)
+    puller = NcclBlockPuller(consumer, timeout_s=20.0)
     try:
         puller.start(PullJob("d0", "never-held", address, [1], [2]))
         done, failed = wait_for(puller)

@@ -143,7 +143,7 @@ class KVBlockServer:
         poller.register(self.socket, zmq.POLLIN)
         while not self.stopped.is_set():
             self._retry_waiting()
-            if not poller.poll(20 if self.waiting else 100):
+            if not poller.poll(2 if self.waiting else 100):
                 with self.lock:
                     self._expire()
                 continue
