@@ -32,6 +32,9 @@ def verify_against_samples(target_token_ids: Sequence[int], draft_token_ids: Seq
     """target_token_ids: the target's sampled (or argmax) token at every position, request by
     request (k_i + 1 per request); draft_token_ids: each request's k_i drafts.
     Returns each request's accepted drafts and the token that follows them."""
+    num_positions = sum(len(drafts) + 1 for drafts in draft_token_ids)
+    if num_positions != len(target_token_ids):
+        raise ValueError(f"{len(target_token_ids)} target tokens for {num_positions} positions")
     accepted: list[list[int]] = []
     next_tokens: list[int] = []
     start = 0
@@ -44,8 +47,6 @@ def verify_against_samples(target_token_ids: Sequence[int], draft_token_ids: Seq
         accepted.append(list(drafts[:num_accepted]))
         next_tokens.append(int(target_token_ids[start + num_accepted]))
         start += len(drafts) + 1
-    if start != len(target_token_ids):
-        raise ValueError(f"{len(target_token_ids)} target tokens for {start} positions")
     return accepted, next_tokens
 
 
