@@ -137,8 +137,9 @@ class ModelRunner:
     # ------------------------------------------------------------ KV cache
 
     def kv_cache_bytes_per_block(self) -> int:
-        """K and V, every layer, one block."""
-        return 2 * self.kv_layout.block_bytes * self.model.num_layers
+        """K and V, every layer, one block (and the draft model's, when speculating with one)."""
+        spec_bytes = self.spec_decoder.kv_cache_bytes_per_block() if self.spec_decoder is not None else 0
+        return 2 * self.kv_layout.block_bytes * self.model.num_layers + spec_bytes
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit (config.num_gpu_blocks, when set, wins)."""
@@ -223,6 +224,8 @@ class ModelRunner:
         in the cache's address)."""
         self.kv_caches = [self.kv_layout.allocate(num_blocks, self.device) for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
+        if self.spec_decoder is not None:
+            self.spec_decoder.initialize_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -252,6 +255,8 @@ class ModelRunner:
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens,
                                         scheduler_output.scheduled_spec_decode_tokens)
         hidden_states = self._run_model(step)
+        if self.spec_decoder is not None:
+            self.spec_decoder.after_forward(step)  # a draft model runs the same tokens
         outputs = self.finish_pending()  # the previous step's tokens: needed by the sampling below
         # Before the early return: partial prefill chunks score their prompt tokens too.
         prompt_logprobs = gather_prompt_logprobs(self.model.compute_logits, hidden_states, step, self.input_batch)

@@ -48,6 +48,17 @@ class SpecDecoder:
             self.ngram = None
             self.draft_runner = DraftModelRunner(config, runner)
 
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.draft_runner.kv_cache_bytes_per_block() if self.draft_runner is not None else 0
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        if self.draft_runner is not None:
+            self.draft_runner.initialize_cache(num_blocks)
+
+    def after_forward(self, step: StepInputs) -> None:
+        if self.draft_runner is not None:
+            self.draft_runner.catch_up(step)
+
     def handles(self, step: StepInputs, propose_drafts: bool) -> bool:
         return step.num_draft_tokens is not None or propose_drafts
 
