@@ -5,6 +5,7 @@ seeded sampling reproducible, acceptance counted, bad settings refused clearly."
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -153,3 +154,40 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tiny_model_f
     with pytest.raises(ValueError, match=r"vocab_size \(640\) differs from the target model's \(512\)"):
         LLM(tiny_llama, skip_tokenizer_init=True,
             speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2})
+
+
+def test_server_metrics_and_stats_line_show_the_spec_counters(tiny_chat_llama) -> None:
+    import json
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_procs import ServerProcess
+
+    server = ServerProcess(tiny_chat_llama, "--max-model-len", "256", "--speculative-config", json.dumps(NGRAM),
+                           env={"MINIVLLM_STATS_INTERVAL": "0.2"})
+    try:
+        body = json.dumps({"model": tiny_chat_llama, "prompt": "one two three one two three one two three one two",
+                           "max_tokens": 32, "temperature": 0, "ignore_eos": True}).encode()
+        request = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples[(sample.name, sample.labels.get("position"))] = sample.value
+        drafts = samples[("minivllm:spec_decode_num_draft_tokens_total", None)]
+        accepted = samples[("minivllm:spec_decode_num_accepted_tokens_total", None)]
+        assert samples[("minivllm:spec_decode_num_drafts_total", None)] > 0 and drafts > 0
+        per_pos = [samples.get(("minivllm:spec_decode_num_accepted_tokens_per_pos_total", str(i)))
+                   for i in range(NGRAM["num_speculative_tokens"])]
+        assert None not in per_pos and sum(per_pos) == accepted
+        deadline = time.monotonic() + 10  # the stats line of the busy interval comes once it is over
+        while "SpecDecoding metrics: Mean acceptance length" not in server.output():
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.1)
+    finally:
+        assert server.stop() == 0, server.output()
