@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
