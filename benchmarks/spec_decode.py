@@ -11,7 +11,7 @@ Greedy outputs must be identical with and without speculation; the script checks
   python benchmarks/spec_decode.py --smoke                       # CPU, a tiny random model, seconds
   python benchmarks/spec_decode.py --model DIR                   # n-gram vs none
   python benchmarks/spec_decode.py --model DIR --draft-model DIR2  # and a draft model
-  python benchmarks/spec_decode.py --model benchmarks/configs/qwen3-0.6b --load-format dummy
+  python benchmarks/spec_decode.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --tokenizer SMOLLM2_DIR
 
 With random (dummy) weights the outputs are not copies of anything, so n-gram acceptance there
 only measures the cost of speculating; real acceptance needs real weights (SmolLM2:
@@ -75,6 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="target model directory")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--tokenizer", help="tokenizer directory, when the model directory has none "
+                        "(benchmarks/configs/*: e.g. SmolLM2's; its ids fit any larger vocabulary)")
     parser.add_argument("--draft-model", help="a draft model directory (same vocabulary) to compare too")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -117,7 +119,7 @@ def main() -> None:
     results = {}
     reference: dict[int, list[list[int]]] = {}
     for name, spec in settings.items():
-        llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len,
+        llm = LLM(args.model, tokenizer=args.tokenizer, load_format=args.load_format, max_model_len=args.max_model_len,
                   skip_tokenizer_init=skip_tokenizer, speculative_config=spec)
         try:
             run_setting(llm, prompts[:2], params, 2)  # warm-up (compilation, graphs, caches)
