@@ -24,8 +24,8 @@ A core that dies makes the whole engine dead (EngineDeadError), as with one core
 
 from __future__ import annotations
 
-import itertools
 import asyncio
+import itertools
 import logging
 import os
 import threading
