@@ -100,6 +100,25 @@ class StatsLogger:
             prefill / elapsed, generation / elapsed, stats.num_running_reqs, stats.num_waiting_reqs,
             100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate, stats.num_preemptions,
         )
+        if stats.spec_decode_num_drafts:
+            logger.info("%s", spec_decode_line(stats, last))
+
+
+def spec_decode_line(stats: EngineStats, last: EngineStats | None) -> str:
+    """vLLM's SpecDecoding metrics line, over the interval since `last`."""
+    def delta(name: str) -> int:
+        return getattr(stats, name) - (getattr(last, name) if last else 0)
+
+    drafts, draft_tokens = delta("spec_decode_num_drafts"), delta("spec_decode_num_draft_tokens")
+    accepted = delta("spec_decode_num_accepted_tokens")
+    previous = last.spec_decode_num_accepted_tokens_per_pos if last else []
+    per_pos = [n - (previous[i] if i < len(previous) else 0)
+               for i, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
+    return ("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+            "Draft acceptance rate: %.1f%%, Per-position acceptance rate: %s" % (
+                1 + accepted / drafts if drafts else 0.0, accepted, draft_tokens,
+                100 * accepted / draft_tokens if draft_tokens else 0.0,
+                ", ".join(f"{n / drafts:.3f}" if drafts else "0.000" for n in per_pos)))
 
 
 class StepTimer:

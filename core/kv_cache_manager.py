@@ -151,6 +151,19 @@ class KVCacheManager:
         """Return all of the request's blocks to the pool (a no-op if it holds none)."""
         self.free_blocks(self.take_blocks(request))
 
+    def free_tail_blocks(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past those its first `num_tokens` tokens need (they held
+        rejected draft tokens only, never a registered block). Returns how many went back."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        num_kept = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= num_kept:
+            return 0
+        assert self.num_cached_blocks.get(request.request_id, 0) <= num_kept
+        tail = blocks[num_kept:]
+        del blocks[num_kept:]
+        self.free_blocks(tail)
+        return len(tail)
+
     def take_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request, handing its blocks (still referenced) to the caller, who frees
         them later with free_blocks (a KV connector still reads or writes them)."""

@@ -78,6 +78,15 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.num_loading_tokens = 0
         self.kv_transfer_deadline = 0.0
+        # Speculative decoding: draft tokens the worker proposed after this request's last known
+        # token, to be verified in its next step (never part of its known tokens); and how many of
+        # its tail blocks were taken back since its last step (they held only rejected drafts).
+        self.spec_token_ids: list[int] = []
+        self.num_released_blocks = 0
+        # Logprobs and logits processors see one position per step; such requests never speculate.
+        params = sampling_params
+        self.can_speculate = (params.logprobs is None and params.prompt_logprobs is None
+                              and not params.processes_logits)
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":

@@ -18,6 +18,16 @@ range reaches `num_tokens` gets one sampled token back from the worker.
   engine); when that KV arrives asynchronously the request waits in WAITING_FOR_REMOTE_KVS
   holding its blocks. A finished request's blocks may stay held until the connector has sent
   them. Without a connector none of this code runs.
+- Speculative decoding (config.speculative_config): after a step the worker proposes draft tokens
+  for the requests that sampled (Request.spec_token_ids). A decoding request then runs 1 + k
+  tokens (its last known token and the drafts, trimmed to the budget, max_tokens and
+  max_model_len); num_computed_tokens is advanced over all of them and, once the worker reports
+  how many drafts it accepted, pulled back over the rejected ones, whose whole tail blocks are
+  freed. Drafts never become known tokens until accepted, so prefix-cache hashes cover verified
+  tokens only. With async scheduling a speculating request is step-synchronous: it is not
+  scheduled again until its tokens (and the next drafts, which depend on them) are back; requests
+  without drafts keep running a step ahead. Speculation steps aside while more than
+  disable_by_batch_size requests run (a verify step's extra tokens then cost what they save).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from minivllm.core.block_pool import KVCacheBlock
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.kv_connector import make_scheduler_connector
 from minivllm.core.request import Request, RequestStatus
-from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.config import DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig
 from minivllm.protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from minivllm.protocol.messages import (
     CachedRequestData,
@@ -126,6 +136,10 @@ class _StepPlan:
     new_reqs: list[Request] = field(default_factory=list)
     # Running requests scheduled again, with the ids of the blocks they gained this step.
     cached_reqs: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # Speculative decoding: whether this step verifies drafts / proposes new ones, and the drafts
+    # scheduled per request (part of their num_scheduled_tokens).
+    speculating: bool = False
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def schedule(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -163,6 +177,21 @@ class Scheduler:
         # taken by the very request it was computed for (an id may be reused once it finishes).
         self.step_counter = itertools.count()
         self.scheduled_requests: dict[int, dict[str, Request]] = {}
+
+        # Speculative decoding (num_spec_tokens 0: off, and none of it runs).
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_disable_by_batch_size = 0
+        # A draft model writes the KV of the k tokens it proposes past the verified ones: the slots
+        # for them are allocated with the step (vLLM's lookahead slots).
+        self.num_lookahead_tokens = 0
+        if spec is not None:
+            self.spec_disable_by_batch_size = spec.disable_by_batch_size or DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+            self.num_lookahead_tokens = self.num_spec_tokens if spec.method == "draft_model" else 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
 
         # Counters since start, for EngineStats.
         self.num_preemptions = 0
@@ -276,6 +305,10 @@ class Scheduler:
             num_prefill_tokens=self.num_prefill_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_finished_reqs=self.num_finished_reqs,
+            spec_decode_num_drafts=self.spec_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_num_accepted_tokens_per_pos),
         )
 
     # ------------------------------------------------------------------ one step
@@ -284,6 +317,7 @@ class Scheduler:
         if self.connector is not None and (self.waiting_for_remote_kvs or self.held_blocks):
             self._expire_kv_transfers(time.monotonic())
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        plan.speculating = self.num_spec_tokens > 0 and len(self.running) <= self.spec_disable_by_batch_size
         if self.policy == "v0":
             # Prefills first, whole prompts only; a step that admits anything does nothing else.
             # Running requests wait meanwhile: the stall V1 removes.
@@ -321,8 +355,18 @@ class Scheduler:
             if num_new_tokens <= 0 or self._finishes_in_flight(request):  # nothing to run for now
                 req_index += 1
                 continue
+            drafts: list[int] = []
+            num_lookahead_tokens = 0
+            if plan.speculating and request.can_speculate:
+                if request.num_output_placeholders:  # its next drafts come with its tokens: wait
+                    req_index += 1
+                    continue
+                if num_new_tokens == 1:  # decoding
+                    drafts = self._trim_drafts(request, plan.token_budget)
+                    num_new_tokens += len(drafts)
+                    num_lookahead_tokens = self._num_lookahead_tokens(request, num_new_tokens)
             while True:
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens + num_lookahead_tokens)
                 if new_block_ids is not None:
                     break
                 if self.connector is not None:
@@ -345,8 +389,29 @@ class Scheduler:
                 break  # the request preempted itself; everything after it is gone too
             plan.cached_reqs.append((request, new_block_ids))
             plan.schedule(request, num_new_tokens)
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
+            request.spec_token_ids = []
             req_index += 1
         return preempted
+
+    def _trim_drafts(self, request: Request, token_budget: int) -> list[int]:
+        """The request's drafts that fit: the step's budget after its own token, and no more
+        tokens than max_tokens and max_model_len allow even if all are accepted (+1 bonus)."""
+        num_drafts = min(len(request.spec_token_ids), token_budget - 1,
+                         self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            num_drafts = min(num_drafts, max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[:max(num_drafts, 0)]
+
+    def _num_lookahead_tokens(self, request: Request, num_new_tokens: int) -> int:
+        """Slots past the scheduled tokens for the draft model's own proposals (within the
+        request's maximum length, so no request ever needs more blocks than admission checked)."""
+        if not self.num_lookahead_tokens:
+            return 0
+        end = request.num_computed_tokens + num_new_tokens
+        return max(0, min(self.num_lookahead_tokens, self._max_num_tokens(request) - end))
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """Whether the tokens still being sampled for a request bring it to max_tokens or
@@ -428,7 +493,8 @@ class Scheduler:
                 for request in plan.new_reqs
             ],
             scheduled_cached_reqs=[
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens,
+                                  request.num_released_blocks)
                 for request, new_block_ids in plan.cached_reqs
             ],
             num_scheduled_tokens=num_scheduled_tokens,
@@ -436,7 +502,11 @@ class Scheduler:
             finished_req_ids=[],
             preempted_req_ids=[],
             step_id=next(self.step_counter),
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+            propose_drafts=plan.speculating,
         )
+        for request, _ in plan.cached_reqs:
+            request.num_released_blocks = 0
         # Report finished/preempted ids only in a step the worker will see.
         if total_num_scheduled_tokens > 0:
             scheduler_output.finished_req_ids = self.finished_req_ids
@@ -444,10 +514,10 @@ class Scheduler:
             self.finished_req_ids = []
             self.preempted_req_ids = []
 
-        # A decode runs the one token sampled last step; everything else scheduled is prefill
-        # (prompt chunks, or a preempted request's recomputation).
+        # A decode runs the one token sampled last step (and its drafts); everything else scheduled
+        # is prefill (prompt chunks, or a preempted request's recomputation).
         num_decode_tokens = sum(
-            1
+            1 + len(plan.spec_tokens.get(request.request_id, ()))
             for request, _ in plan.cached_reqs
             if request.num_output_tokens + request.num_output_placeholders > 0
             and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders - 1
@@ -459,7 +529,8 @@ class Scheduler:
         for request_id, num_tokens in num_scheduled_tokens.items():
             request = scheduled[request_id] = self.requests[request_id]
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            num_drafts = len(plan.spec_tokens.get(request_id, ()))
+            if request.num_computed_tokens - num_drafts == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         self.scheduled_requests[scheduler_output.step_id] = scheduled
         return scheduler_output
@@ -479,10 +550,15 @@ class Scheduler:
             outputs, self.kv_failed_outputs = self.kv_failed_outputs, []
         finished: set[str] = set()
         scheduled = self.scheduled_requests.pop(scheduler_output.step_id, {})
-        logprobs = model_runner_output.logprobs or [None] * len(model_runner_output.req_ids)
-        prompt_logprobs = model_runner_output.prompt_logprobs or [None] * len(model_runner_output.req_ids)
-        for request_id, token_id, token_logprobs, token_prompt_logprobs in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs, prompt_logprobs
+        num_outputs = len(model_runner_output.req_ids)
+        logprobs = model_runner_output.logprobs or [None] * num_outputs
+        prompt_logprobs = model_runner_output.prompt_logprobs or [None] * num_outputs
+        accepted_drafts = model_runner_output.accepted_draft_token_ids or [None] * num_outputs
+        next_drafts = model_runner_output.spec_token_ids or [None] * num_outputs
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        for request_id, token_id, token_logprobs, token_prompt_logprobs, accepted, drafts in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, logprobs, prompt_logprobs,
+            accepted_drafts, next_drafts,
         ):
             request = scheduled.get(request_id)
             # Finished, aborted or preempted since the step was scheduled: drop its token (a
@@ -490,16 +566,26 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_output_placeholders -= 1
-            request.output_token_ids.append(token_id)
-            self.num_generation_tokens += 1
+            new_token_ids = [token_id]
+            if request_id in scheduled_drafts:
+                accepted = accepted or []
+                new_token_ids = [*accepted, token_id]
+                self._count_verified_drafts(request, len(scheduled_drafts[request_id]), len(accepted))
             kv_transfer_params = None
-            if self._check_stop(request, token_id):
-                finished.add(request_id)
-                kv_transfer_params = self._free_request(request)
+            for i, new_token_id in enumerate(new_token_ids):
+                request.output_token_ids.append(new_token_id)
+                self.num_generation_tokens += 1
+                if self._check_stop(request, new_token_id):
+                    del new_token_ids[i + 1:]  # tokens past a stop are dropped
+                    finished.add(request_id)
+                    kv_transfer_params = self._free_request(request)
+                    break
+            else:
+                request.spec_token_ids = drafts or []
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
-                    new_token_ids=[token_id],
+                    new_token_ids=new_token_ids,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -513,6 +599,23 @@ class Scheduler:
         return outputs
 
     # ------------------------------------------------------------------ helpers
+
+    def _count_verified_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step's outcome: num_computed_tokens drops back over the rejected drafts (their
+        KV slots are overwritten later), whole tail blocks they alone held are freed, and the
+        acceptance counters move."""
+        if num_accepted > num_drafts:
+            raise RuntimeError(f"request {request.request_id}: {num_accepted} drafts accepted of {num_drafts}")
+        num_rejected = num_drafts - num_accepted
+        if num_rejected:
+            request.num_computed_tokens -= num_rejected
+            request.num_released_blocks += self.kv_cache_manager.free_tail_blocks(
+                request, request.num_computed_tokens)
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_num_accepted_tokens_per_pos[pos] += 1
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a finished status if `token_id` (just appended) ends the request."""
@@ -542,6 +645,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # its tokens in flight are dropped when they arrive
+        request.spec_token_ids = []
+        request.num_released_blocks = 0  # the worker forgets the request and its block table
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)

@@ -25,6 +25,7 @@ A core that dies makes the whole engine dead (EngineDeadError), as with one core
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
@@ -158,7 +159,12 @@ def core_environments(config: EngineConfig) -> list[dict[str, str]]:
 def combine_stats(stats: list[EngineStats]) -> EngineStats:
     """All cores' stats as one engine's: counts add up; KV usage is over all blocks."""
     blocks = sum(s.num_gpu_blocks for s in stats)
-    summed = {f: sum(getattr(s, f) for s in stats) for f in EngineStats.__struct_fields__
+    def add(values: list) -> int | list[int]:  # per-position lists add up position by position
+        if isinstance(values[0], list):
+            return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
+        return sum(values)
+
+    summed = {f: add([getattr(s, f) for s in stats]) for f in EngineStats.__struct_fields__
               if f not in ("kv_cache_usage", "num_gpu_blocks")}
     usage = sum(s.kv_cache_usage * s.num_gpu_blocks for s in stats) / blocks if blocks else 0.0
     return EngineStats(kv_cache_usage=usage, num_gpu_blocks=blocks, **summed)

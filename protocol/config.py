@@ -34,6 +34,14 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Speculative decoding proposers (vLLM's speculative_config["method"]).
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_NUM_SPECULATIVE_TOKENS = 16  # more drafts per step than this are almost never accepted in a row
+# vLLM's prompt lookup default when neither bound is given: 5-grams; one bound alone sets both.
+DEFAULT_PROMPT_LOOKUP = 5
+MAX_PROMPT_LOOKUP = 64
+# Speculation steps aside above this many running requests: a verify step runs k+1 tokens per
+# request, and once the batch is large enough to be compute-bound those extra tokens cost about
+# what they save. To be measured on GPU (benchmarks/spec_decode.py); 32 is vLLM-era folklore.
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 32
 
 
 class KVTransferConfig(msgspec.Struct, kw_only=True):
@@ -57,6 +65,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    # Speculate only while at most this many requests run (vLLM's old name); None: the default,
+    # DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE. Above it a verify step costs more than it saves.
+    disable_by_batch_size: int | None = None
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -182,7 +193,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
         _check_distributed(distributed_executor_backend, data_parallel_size, tensor_parallel_size, device)
         _check_pipeline_parallel(pipeline_parallel_size)
-        speculative_config = _check_speculative(speculative_config)
+        speculative_config = _check_speculative(speculative_config, model, tensor_parallel_size, pipeline_parallel_size,
+                                                 kv_transfer_config)
 
         from transformers import AutoConfig  # lazy: only the process that builds configs pays
 
@@ -341,11 +353,18 @@ def _check_pipeline_parallel(pipeline_parallel_size: int) -> None:
                          "and data_parallel_size scale today).")
 
 
-def _check_speculative(speculative_config: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
-    """A dict speculative_config (as from JSON or vLLM's LLM(...)) becomes a SpeculativeConfig."""
+def _check_speculative(speculative_config: SpeculativeConfig | dict | None, model: str = "",
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                       kv_transfer_config: KVTransferConfig | None = None) -> SpeculativeConfig | None:
+    """A dict speculative_config (as from JSON or vLLM's LLM(...)) becomes a SpeculativeConfig, with
+    its ranges checked and vLLM's defaults filled in (prompt lookup bounds)."""
     if speculative_config is None:
         return None
     if isinstance(speculative_config, dict):
+        unknown = sorted(set(speculative_config) - set(SpeculativeConfig.__struct_fields__))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                             f"{', '.join(SpeculativeConfig.__struct_fields__)}.")
         try:
             speculative_config = msgspec.convert(speculative_config, SpeculativeConfig)
         except msgspec.ValidationError as e:
@@ -353,8 +372,66 @@ def _check_speculative(speculative_config: SpeculativeConfig | dict | None) -> S
     elif not isinstance(speculative_config, SpeculativeConfig):
         raise ValueError(f"speculative_config must be a dict or a SpeculativeConfig, got "
                          f"{type(speculative_config).__name__}.")
-    _check_choice("speculative_config['method']", speculative_config.method, SPECULATIVE_METHODS)
-    raise ValueError("speculative decoding is not supported yet; leave speculative_config unset.")
+    spec = speculative_config
+    _check_choice("speculative_config['method']", spec.method, SPECULATIVE_METHODS)
+    k = spec.num_speculative_tokens
+    if isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative_config['num_speculative_tokens'] must be an integer in "
+                         f"[1, {MAX_NUM_SPECULATIVE_TOKENS}], got {k!r}.")
+    if spec.disable_by_batch_size is not None:
+        _check_at_least("speculative_config['disable_by_batch_size']", spec.disable_by_batch_size, 1)
+    if pipeline_parallel_size > 1:
+        raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not supported; use one or the other.")
+    if kv_transfer_config is not None:
+        raise ValueError("speculative decoding with a KV connector (kv_transfer_config / kv_offloading_size) is not "
+                         "supported yet; use one or the other.")
+    if spec.method == "ngram":
+        if spec.model is not None:
+            raise ValueError("speculative_config['model'] is for method 'draft_model'; 'ngram' proposes from the "
+                             "request's own tokens.")
+        low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
+        # As vLLM: neither bound given means 5-grams; one bound alone sets the other to it.
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        elif low is None:
+            low = high
+        elif high is None:
+            high = low
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PROMPT_LOOKUP:
+                raise ValueError(f"speculative_config['{name}'] must be an integer in [1, {MAX_PROMPT_LOOKUP}], "
+                                 f"got {value!r}.")
+        if low > high:
+            raise ValueError(f"speculative_config['prompt_lookup_min'] ({low}) must be <= prompt_lookup_max ({high}).")
+        spec.prompt_lookup_min, spec.prompt_lookup_max = low, high
+        return spec
+    # draft_model
+    if spec.prompt_lookup_min is not None or spec.prompt_lookup_max is not None:
+        raise ValueError("speculative_config['prompt_lookup_min'/'prompt_lookup_max'] are for method 'ngram'.")
+    if tensor_parallel_size > 1:
+        raise ValueError("speculative decoding with a draft model and tensor_parallel_size > 1 is not supported yet; "
+                         "use method 'ngram' or tensor_parallel_size=1.")
+    draft = spec.model
+    if not isinstance(draft, str) or not os.path.isfile(os.path.join(draft, "config.json")):
+        raise ValueError("speculative_config['model'] must be a directory holding config.json (the draft model) "
+                         f"for method 'draft_model', got {draft!r}.")
+    import json
+
+    def vocab_size(directory: str) -> int | None:
+        try:
+            with open(os.path.join(directory, "config.json")) as f:
+                return int(json.load(f).get("vocab_size"))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    draft_vocab, target_vocab = vocab_size(draft), vocab_size(model) if model else None
+    if draft_vocab is None:
+        raise ValueError(f"the draft model's config.json ({draft}) has no readable vocab_size.")
+    if target_vocab is not None and draft_vocab != target_vocab:
+        raise ValueError(f"the draft model's vocab_size ({draft_vocab}) differs from the target model's "
+                         f"({target_vocab}); a draft model must share the target's tokenizer and vocabulary.")
+    spec.model = os.path.abspath(draft)
+    return spec
 
 
 def _check_tensor_parallel_size(size: int, hf_config, device: str, backend: str = "mp") -> None:

@@ -157,6 +157,24 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_prefill_tokens: int
     num_generation_tokens: int  # tokens sampled
     num_finished_reqs: int
+    # Speculative decoding (vLLM's spec_decode counters): requests verified with drafts, draft tokens
+    # proposed and accepted, and per draft position how many were accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens."""
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens gained per verify step and request: 1 (the target's own) + accepted drafts."""
+        n = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / n if n else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -186,6 +204,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Tail blocks the scheduler took back since the request's last step (they held only rejected
+    # draft tokens): drop them from the block table before appending new_block_ids.
+    num_released_blocks: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
@@ -215,6 +236,12 @@ class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
     # Set only when a KV connector is configured (protocol/kv_transfer.py): the step's KV
     # transfer instructions. A step carrying it goes to the workers even with no tokens scheduled.
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Speculative decoding (vLLM's name): per request, the draft tokens scheduled after its last
+    # known token (they are part of num_scheduled_tokens); the worker verifies them in this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Whether the worker should propose drafts for the requests that sample in this step (they come
+    # back in ModelRunnerOutput.spec_token_ids); off while speculation steps aside.
+    propose_drafts: bool = False
 
 
 class WorkerCall(msgspec.Struct, tag="call"):
@@ -241,6 +268,11 @@ class ModelRunnerOutput(msgspec.Struct, tag="output"):
     prompt_logprobs: list[PromptLogprobs | None] | None = None
     # With a KV connector: the transfers that completed (rides on whichever output goes out next).
     kv_connector_output: KVConnectorOutput | None = None
+    # Speculative decoding, parallel to req_ids: the draft tokens each request accepted this step,
+    # which come before its sampled token (so its new tokens are accepted + [sampled]); and the
+    # drafts proposed for its next step (when SchedulerOutput.propose_drafts).
+    accepted_draft_token_ids: list[list[int]] | None = None
+    spec_token_ids: list[list[int]] | None = None
 
 
 class WorkerReply(msgspec.Struct, tag="reply", omit_defaults=True):

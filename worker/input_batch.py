@@ -38,6 +38,11 @@ class StepInputs:
     # places in input_ids, and their places in that step's sampled ids.
     pending_token_index: np.ndarray | None = None
     pending_source: np.ndarray | None = None
+    # Speculative decoding, only in a step that verifies drafts: per sampling request its number of
+    # drafts k (it samples at its last k + 1 positions), and those positions' token rows, request
+    # by request (logits_indices holds each request's last one, after its last draft).
+    num_draft_tokens: np.ndarray | None = None
+    spec_logits_indices: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +73,8 @@ class InputBatch:
         self.seed = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no seed of its own
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no logprobs asked
+        # Speculative decoding: rows that may get drafts (core/request.py Request.can_speculate).
+        self.can_speculate = np.zeros(max_num_reqs, dtype=bool)
         # For worker/logits_processors.py: which rows need it, and what each asks for.
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.processes_logits = np.zeros(max_num_reqs, dtype=bool)
@@ -143,6 +150,8 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.seed[row] = -1 if params.seed is None else params.seed
         self.processes_logits[row] = params.processes_logits
+        self.can_speculate[row] = (params.logprobs is None and params.prompt_logprobs is None
+                                   and not params.processes_logits)
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
@@ -159,16 +168,32 @@ class InputBatch:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
-        """Gather the inputs of every scheduled request, vectorized over rows and tokens."""
+    def prepare(self, num_scheduled_tokens: dict[str, int],
+                spec_decode_tokens: dict[str, list[int]] | None = None) -> StepInputs:
+        """Gather the inputs of every scheduled request, vectorized over rows and tokens.
+        spec_decode_tokens: drafts to verify, run after their requests' known tokens."""
         req_ids = list(num_scheduled_tokens)
         rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         start = self.num_computed_tokens[rows]
         seq_lens = start + query_lens
-        if np.any(seq_lens > self.num_tokens[rows]):
-            bad = req_ids[int(np.argmax(seq_lens > self.num_tokens[rows]))]
+        # Drafts sit in the rows past the known tokens (not counted by num_tokens until accepted).
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        if spec_decode_tokens:
+            for i, req_id in enumerate(req_ids):
+                drafts = spec_decode_tokens.get(req_id)
+                if drafts:
+                    row, n = rows[i], self.num_tokens[rows[i]]
+                    if n + len(drafts) > self.max_model_len:
+                        raise ValueError(f"request {req_id}: drafts past max_model_len")
+                    self.token_ids[row, n:n + len(drafts)] = drafts
+                    num_drafts[i] = len(drafts)
+        known_end = self.num_tokens[rows] + num_drafts
+        if np.any(seq_lens > known_end):
+            bad = req_ids[int(np.argmax(seq_lens > known_end))]
             raise ValueError(f"request {bad}: scheduled past its known tokens")
+        if np.any((num_drafts > 0) & (seq_lens != known_end)):
+            raise ValueError("a request with drafts must run up to its last draft")
 
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
@@ -187,8 +212,15 @@ class InputBatch:
         if np.any(self.num_blocks[rows] * self.block_size < seq_lens):
             raise ValueError("a scheduled request has fewer blocks than its tokens need")
 
-        # A request samples iff this step reaches the end of its known tokens.
-        samples = seq_lens == self.num_tokens[rows]
+        # A request samples iff this step reaches the end of its known tokens (and drafts).
+        samples = seq_lens == known_end
+        spec_logits_indices = sampled_num_drafts = None
+        if spec_decode_tokens:
+            sampled_num_drafts = num_drafts[samples]
+            counts = sampled_num_drafts + 1
+            first = query_start_loc[1:][samples] - counts
+            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            spec_logits_indices = np.repeat(first, counts) + offsets
         self.num_computed_tokens[rows] = seq_lens  # written by this step's forward
         # Tokens the previous step sampled and the host has not seen yet (only ever a row's last).
         pending_token_index = np.flatnonzero(
@@ -208,6 +240,8 @@ class InputBatch:
             max_seq_len=max_seq_len,
             pending_token_index=pending_token_index,
             pending_source=self.pending[token_rows[pending_token_index]],
+            num_draft_tokens=sampled_num_drafts,
+            spec_logits_indices=spec_logits_indices,
         )
 
     def append_pending(self, rows: np.ndarray) -> None:
@@ -224,6 +258,12 @@ class InputBatch:
         kept_rows = rows[keep]
         self.token_ids[kept_rows, self.num_tokens[kept_rows] - 1] = np.asarray(token_ids, dtype=np.int64)[keep]
         self.pending[kept_rows] = -1
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Several new known tokens of one row (accepted drafts and the token sampled after them)."""
+        at = int(self.num_tokens[row])
+        self.token_ids[row, at:at + len(token_ids)] = token_ids
+        self.num_tokens[row] = at + len(token_ids)
 
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """The sampled tokens become known tokens of their rows."""

@@ -124,6 +124,12 @@ class ModelRunner:
         # KV connector (worker/kv_connector/): when one is configured its hooks wrap every step;
         # when none is, run_step stays the plain method.
         self.kv_connector = make_kv_connector_driver(config, rank, self.device)
+        # Speculative decoding (worker/spec_decode/): samples the steps that verify or propose drafts.
+        self.spec_decoder = None
+        if config.speculative_config is not None:
+            from minivllm.worker.spec_decode.spec_decoder import SpecDecoder
+
+            self.spec_decoder = SpecDecoder(config, self)
         if self.kv_connector is not None:
             plain_run_step = self.run_step
             self.run_step = lambda scheduler_output: self.kv_connector.run_step(plain_run_step, scheduler_output)
@@ -131,8 +137,9 @@ class ModelRunner:
     # ------------------------------------------------------------ KV cache
 
     def kv_cache_bytes_per_block(self) -> int:
-        """K and V, every layer, one block."""
-        return 2 * self.kv_layout.block_bytes * self.model.num_layers
+        """K and V, every layer, one block (and the draft model's, when speculating with one)."""
+        spec_bytes = self.spec_decoder.kv_cache_bytes_per_block() if self.spec_decoder is not None else 0
+        return 2 * self.kv_layout.block_bytes * self.model.num_layers + spec_bytes
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit (config.num_gpu_blocks, when set, wins)."""
@@ -217,6 +224,8 @@ class ModelRunner:
         in the cache's address)."""
         self.kv_caches = [self.kv_layout.allocate(num_blocks, self.device) for _ in range(self.model.num_layers)]
         self.num_blocks = num_blocks
+        if self.spec_decoder is not None:
+            self.spec_decoder.initialize_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -243,13 +252,19 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("execute_model before initialize_cache")
 
-        step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
+        step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens,
+                                        scheduler_output.scheduled_spec_decode_tokens)
         hidden_states = self._run_model(step)
+        if self.spec_decoder is not None:
+            self.spec_decoder.after_forward(step)  # a draft model runs the same tokens
         outputs = self.finish_pending()  # the previous step's tokens: needed by the sampling below
         # Before the early return: partial prefill chunks score their prompt tokens too.
         prompt_logprobs = gather_prompt_logprobs(self.model.compute_logits, hidden_states, step, self.input_batch)
         if len(step.sampling_rows) == 0:  # only partial prefill chunks this step
             return [*outputs, _NO_OUTPUT]
+        if self.spec_decoder is not None and self.spec_decoder.handles(step, scheduler_output.propose_drafts):
+            return [*outputs, self.spec_decoder.sample(self, hidden_states, step, prompt_logprobs,
+                                                       scheduler_output.propose_drafts)]
 
         logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
         batch, rows = self.input_batch, step.sampling_rows
@@ -347,6 +362,7 @@ class ModelRunner:
             batch.add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:
             row = batch.row_of[cached.req_id]
+            batch.num_blocks[row] -= cached.num_released_blocks  # they held rejected drafts only
             if cached.new_block_ids:
                 batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens

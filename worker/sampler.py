@@ -111,9 +111,18 @@ class Sampler:
         if metadata.all_greedy:
             return logits.argmax(dim=-1)
         greedy_tokens = logits.argmax(dim=-1) if metadata.any_greedy else None
-
+        probs = self.compute_probs(logits, metadata)
+        noise = self._exponential_noise(probs, metadata.generators)
+        sampled_tokens = (probs.div_(noise)).argmax(dim=-1)
         is_greedy = metadata.temperature == 0.0
-        # Greedy rows get temperature 1 here; their sample is replaced by the argmax below.
+        return sampled_tokens if greedy_tokens is None else torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+    @staticmethod
+    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k / top-p, min-p applied
+        (greedy rows get temperature 1 here; their callers take the argmax instead)."""
+        logits = logits.float()
+        is_greedy = metadata.temperature == 0.0
         temperature = torch.where(is_greedy, torch.ones_like(metadata.temperature), metadata.temperature)
         logits = logits / temperature[:, None]
         if metadata.any_top_k or metadata.any_top_p:
@@ -122,10 +131,7 @@ class Sampler:
         if metadata.min_p is not None:  # drop tokens below min_p x the row's likeliest
             threshold = metadata.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
-
-        noise = self._exponential_noise(probs, metadata.generators)
-        sampled_tokens = (probs.div_(noise)).argmax(dim=-1)
-        return sampled_tokens if greedy_tokens is None else torch.where(is_greedy, greedy_tokens, sampled_tokens)
+        return probs
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """Exponential(1) noise shaped like probs: seeded rows from their own generator."""
@@ -146,13 +152,18 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
+def position_seed(request_seed: int, num_tokens: int) -> int:
+    """The seed of a seeded request's draw for the token that follows its first num_tokens tokens."""
+    return (int(request_seed) * 1_000_003 + int(num_tokens)) % (2**63 - 1)
+
+
 def reseed_generators(generators: Sequence[torch.Generator | None], request_seeds: np.ndarray,
                       num_tokens: np.ndarray) -> None:
     """Seed each seeded row's generator from (its request's seed, its token count) before it draws:
     a token then depends on its position alone, not on how many draws came before it — so a
     request preempted and resumed, or scheduled differently, samples the same tokens."""
     for i in np.flatnonzero(request_seeds >= 0):  # seeded rows only: the others share one generator
-        generators[i].manual_seed((int(request_seeds[i]) * 1_000_003 + int(num_tokens[i])) % (2**63 - 1))
+        generators[i].manual_seed(position_seed(request_seeds[i], num_tokens[i]))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

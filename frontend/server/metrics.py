@@ -69,6 +69,19 @@ class EngineStatsCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits if s else 0)
         yield counter("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
                       s.num_preemptions if s else 0)
+        # Speculative decoding (vLLM's spec_decode_* counters; zero when it is off).
+        yield counter("spec_decode_num_drafts", "Request steps that verified draft tokens.",
+                      s.spec_decode_num_drafts if s else 0)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      s.spec_decode_num_draft_tokens if s else 0)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s.spec_decode_num_accepted_tokens if s else 0)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft (0 = first).",
+                                      labels=[*labels, "position"])
+        for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos if s else []):
+            per_pos.add_metric([*values, str(position)], count)
+        yield per_pos
 
 
 class ServerMetrics:
