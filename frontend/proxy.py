@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -403,8 +404,19 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", action="append", default=[], metavar="URL[,URL]",
                    help="prefill instance(s) (`minivllm serve --kv-transfer-role producer`); repeatable. Without "
                         "any, the proxy balances requests over the --decode instances as ordinary ones")
-    p.add_argument("--decode", action="append", required=True, metavar="URL[,URL]",
+    p.add_argument("--decode", action="append", default=[], metavar="URL[,URL]",
                    help="decode instance(s) (`minivllm serve --kv-transfer-role consumer`); repeatable")
+    r = p.add_argument_group("instances on Ray (instead of URLs)")
+    r.add_argument("--ray-prefill-instances", type=int, default=0,
+                   help="start this many prefill instances as Ray actors (one GPU each; CPU without GPUs)")
+    r.add_argument("--ray-decode-instances", type=int, default=0, help="start this many decode instances")
+    r.add_argument("--model", default=None, help="the model directory the Ray instances serve (on every node)")
+    r.add_argument("--serve-args", default="",
+                   help='flags every Ray instance\'s `minivllm serve` gets, as one string, e.g. "--dtype bfloat16"')
+    r.add_argument("--ray-namespace", default=None,
+                   help="Ray namespace of the instances (default minivllm-pd). Alone (no counts, no URLs): "
+                        "route over the instances already running there, started by another proxy")
+    r.add_argument("--ray-startup-timeout", type=float, default=600.0, help="seconds an instance may take to come up")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -416,14 +428,62 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_proxy(args: argparse.Namespace) -> int:
+    for name in ("request_timeout", "connect_timeout"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    prefill_urls, decode_urls = split_urls(args.prefill), split_urls(args.decode)
+    ray_instances = None
+    on_ray = args.ray_prefill_instances or args.ray_decode_instances or args.ray_namespace
+    if on_ray:
+        ray_instances, prefill_urls, decode_urls = _ray_instances(args, prefill_urls, decode_urls)
+    elif not decode_urls:
+        raise ValueError("give the decode instances (--decode URL[,URL]), or start them on Ray "
+                         "(--ray-decode-instances N --model DIR), or find them there (--ray-namespace NS)")
+    try:
+        return _serve_proxy(args, prefill_urls, decode_urls)
+    finally:
+        if ray_instances is not None:
+            ray_instances.close()
+
+
+def _ray_instances(args: argparse.Namespace, prefill_urls: list[str], decode_urls: list[str]):
+    from minivllm.frontend.ray_pd import DEFAULT_NAMESPACE, RayPDInstances, parse_serve_args, urls_by_role
+
+    if prefill_urls or decode_urls:
+        raise ValueError("--prefill / --decode URLs and Ray instances (--ray-*) are two ways to name the "
+                         "instances; use one")
+    for name in ("ray_prefill_instances", "ray_decode_instances"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    launching = args.ray_prefill_instances or args.ray_decode_instances
+    if launching:
+        if args.ray_decode_instances < 1:
+            raise ValueError("--ray-decode-instances must be >= 1 (decode instances answer every request)")
+        if not args.model or not os.path.isdir(args.model):
+            raise ValueError(f"--model must be a local model directory (the same path on every node), got {args.model!r}")
+        serve_args = parse_serve_args(args.serve_args)
+    instances = RayPDInstances(args.ray_namespace or DEFAULT_NAMESPACE)
+    try:
+        if launching:
+            infos = instances.launch(args.model, args.ray_prefill_instances, args.ray_decode_instances, serve_args,
+                                     args.ray_startup_timeout)
+        else:
+            infos = instances.discover()
+        prefill_urls, decode_urls = urls_by_role(infos)
+        if not decode_urls:
+            raise ValueError(f"no decode instance runs in the Ray namespace {instances.namespace!r}")
+    except BaseException:
+        instances.close()
+        raise
+    return instances, prefill_urls, decode_urls
+
+
+def _serve_proxy(args: argparse.Namespace, prefill_urls: list[str], decode_urls: list[str]) -> int:
     import uvicorn
 
     from minivllm.frontend.server.api_server import uvicorn_loop
 
-    for name in ("request_timeout", "connect_timeout"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    proxy = DisaggProxy(split_urls(args.prefill), split_urls(args.decode), request_timeout=args.request_timeout,
+    proxy = DisaggProxy(prefill_urls, decode_urls, request_timeout=args.request_timeout,
                         connect_timeout=args.connect_timeout)
     app = build_proxy_app(proxy)
     logger.warning("proxy at http://%s:%d: prefill %s, decode %s", args.host, args.port,

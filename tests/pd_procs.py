@@ -18,14 +18,16 @@ class ProxyProcess:
     """`minivllm proxy --prefill ... --decode ...`; .url is its base URL. Up once it answers /health
     (whatever the status: a backend may be down on purpose)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], *args: str, timeout: float = 60.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], *args: str, timeout: float = 60.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"minivllm-proxy-{self.port}.log")
         self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([*MINIVLLM, "proxy", "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-                                      "--port", str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT,
-                                      preexec_fn=die_with_parent)  # no orphan server if the test run is killed
+        urls = [*(["--prefill", ",".join(prefill)] if prefill else []), *(["--decode", ",".join(decode)] if decode else [])]
+        self.proc = subprocess.Popen([*MINIVLLM, "proxy", *urls, "--port", str(self.port), *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=die_with_parent)  # no orphan server if the test run is killed
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
