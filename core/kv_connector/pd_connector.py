@@ -56,9 +56,15 @@ class PDConnectorMetadata(msgspec.Struct, kw_only=True):
     reqs_to_send: list[SendSpec] = []
 
 
-def parse_remote_prefill(params: dict[str, Any], num_prompt_tokens: int, block_size: int) -> dict[str, Any]:
+def parse_remote_prefill(params: dict[str, Any], num_prompt_tokens: int, block_size: int,
+                         tp_size: int = 1) -> dict[str, Any]:
     """A decode request's kv_transfer_params, checked (they come from the client): a ValueError
     says what is wrong."""
+    remote_tp = params.get("tp_size", 1)
+    if remote_tp != tp_size:
+        # Rank r pulls shard r (its KV heads) from the producer's rank r: the shards must match.
+        raise ValueError(f"the prefill instance runs tensor_parallel_size={remote_tp!r} and this one {tp_size}: "
+                         "prefill and decode instances need the same tensor_parallel_size")
     for key, kind in (("remote_request_id", str), ("remote_host", str), ("remote_port", int),
                       ("remote_block_ids", list)):
         value = params.get(key)
@@ -85,11 +91,6 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
     def __init__(self, config: EngineConfig, num_gpu_blocks: int) -> None:
         super().__init__(config, num_gpu_blocks)
         transfer = config.kv_transfer_config
-        if config.tensor_parallel_size != 1:
-            # Each rank would pull its own shard, but only rank 0 reports to the scheduler: it
-            # would need the other ranks' completions first (not built yet).
-            raise ValueError(f"kv_connector {transfer.kv_connector!r} supports tensor_parallel_size=1 only for now, "
-                             f"got {config.tensor_parallel_size}")
         self.host = transfer.kv_ip
         self.port = transfer.kv_port
         self.tp_size = config.tensor_parallel_size
@@ -117,7 +118,7 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
             if not self.consumes:
                 raise ValueError("this instance is no KV consumer (start it with --kv-transfer-role consumer) "
                                  "but the request asks to pull its KV (do_remote_prefill)")
-            parse_remote_prefill(params, len(request.prompt_token_ids), self.block_size)
+            parse_remote_prefill(params, len(request.prompt_token_ids), self.block_size, self.tp_size)
         if params.get("do_remote_decode") and not self.produces:
             raise ValueError("this instance is no KV producer (start it with --kv-transfer-role producer) "
                              "but the request asks to keep its KV for a decode instance (do_remote_decode)")

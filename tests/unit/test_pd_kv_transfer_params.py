@@ -75,3 +75,13 @@ def test_kv_transfer_role_is_sugar_for_kv_transfer_config() -> None:
         resolve("--kv-transfer-role", "producer", "--kv-transfer-config", '{"kv_connector": "X", "kv_role": "kv_consumer"}')
     with pytest.raises(ValueError, match="need --kv-transfer-role"):
         resolve("--kv-port", "1")
+
+
+def test_prefill_and_decode_instances_need_the_same_tensor_parallel_size() -> None:
+    from minivllm.core.kv_connector.pd_connector import parse_remote_prefill
+
+    params = {"remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 15000, "remote_block_ids": [0, 1],
+              "tp_size": 2}
+    assert parse_remote_prefill(params, 20, 16, tp_size=2) is params
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and this one 1"):
+        parse_remote_prefill(params, 20, 16, tp_size=1)

@@ -24,6 +24,7 @@ from minivllm.protocol.messages import SchedulerOutput
 from minivllm.worker.kv_connector.base import KVConnectorWorkerBase
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob
+from minivllm.worker.kv_connector.tp_reports import TPReportCombiner
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,14 @@ class PDConnectorWorker(KVConnectorWorkerBase):
         self.server: KVBlockServer | None = None
         self.puller: KVBlockPuller | None = None
         self.stats_path = os.environ.get(KV_TRANSFER_STATS_ENV) if rank == 0 else None
+        # Tensor parallelism: rank r serves / pulls shard r (from the producer's rank r), and a
+        # transfer is reported once every rank's shard is done.
+        self.tp_reports: TPReportCombiner | None = None
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        if self.config.tensor_parallel_size > 1:
+            self.tp_reports = TPReportCombiner(self.config.tensor_parallel_size)
         if self.role in ("kv_producer", "kv_both"):
             self.server = self.make_server(kv_caches)
         if self.role in ("kv_consumer", "kv_both"):
@@ -67,6 +73,8 @@ class PDConnectorWorker(KVConnectorWorkerBase):
         # The scheduler gave up on these (its transfer timeout) and freed their blocks in this step:
         # stop writing into (or serving) them before the forward reuses them.
         if self._expired_req_ids:
+            if self.tp_reports is not None:
+                self.tp_reports.forget(self._expired_req_ids)
             if self.puller is not None:
                 self.puller.cancel(self._expired_req_ids)
             if self.server is not None:
@@ -83,6 +91,8 @@ class PDConnectorWorker(KVConnectorWorkerBase):
             address = f"tcp://{spec.remote_host}:{spec.remote_port + self.rank}"
             self.puller.start(PullJob(spec.req_id, spec.remote_req_id, address, spec.remote_block_ids,
                                       spec.local_block_ids))
+        if self.tp_reports is not None:
+            self.tp_reports.started([s.req_id for s in metadata.reqs_to_recv], [s.req_id for s in metadata.reqs_to_send])
 
     def get_finished(self, finished_req_ids: list[str]) -> KVConnectorOutput | None:
         finished_sending = self.server.take_released() if self.server is not None else set()
@@ -97,6 +107,9 @@ class PDConnectorWorker(KVConnectorWorkerBase):
                         f.write(json.dumps({"bytes": num_bytes, "seconds": seconds}) + "\n")
         for req_id, why in failed.items():
             logger.error("request %s: its KV could not be pulled: %s", req_id, why)
+        if self.tp_reports is not None:
+            finished_sending, finished_recving, failed = self.tp_reports.combine(finished_sending, finished_recving,
+                                                                                 failed)
         if not (finished_sending or finished_recving or failed):
             return None
         return KVConnectorOutput(finished_sending=sorted(finished_sending), finished_recving=sorted(finished_recving),
