@@ -140,6 +140,9 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        # Pipeline parallelism: a request whose next token is still being computed in a batch in
+        # flight is not scheduled again until it arrives (the first stages cannot have it yet).
+        self.pipeline_parallel = config.pipeline_parallel_size > 1
         self.block_size = config.block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
@@ -318,7 +321,8 @@ class Scheduler:
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
-            if num_new_tokens <= 0 or self._finishes_in_flight(request):  # nothing to run for now
+            if num_new_tokens <= 0 or self._finishes_in_flight(request) or (
+                    self.pipeline_parallel and request.num_output_placeholders):  # nothing to run for now
                 req_index += 1
                 continue
             while True:
@@ -357,6 +361,16 @@ class Scheduler:
         num_output_tokens = request.num_output_tokens + request.num_output_placeholders
         return ((max_tokens is not None and num_output_tokens >= max_tokens)
                 or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
+
+    def _pp_new_token_ids(self, request: Request, num_tokens: int) -> list[int]:
+        """Pipeline parallelism: the tokens a step runs, for the stages that do not sample (see
+        CachedRequestData.new_token_ids); prompt tokens they have already."""
+        if not self.pipeline_parallel:
+            return []
+        start = max(request.num_computed_tokens, request.num_prompt_tokens)
+        end = request.num_computed_tokens + num_tokens
+        return request.output_token_ids[start - request.num_prompt_tokens:end - request.num_prompt_tokens] \
+            if end > start else []
 
     def _schedule_waiting(self, plan: _StepPlan, whole_prompts_only: bool) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
@@ -428,7 +442,8 @@ class Scheduler:
                 for request in plan.new_reqs
             ],
             scheduled_cached_reqs=[
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens,
+                                  self._pp_new_token_ids(request, num_scheduled_tokens[request.request_id]))
                 for request, new_block_ids in plan.cached_reqs
             ],
             num_scheduled_tokens=num_scheduled_tokens,

@@ -186,6 +186,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Pipeline parallelism only (else empty): the tokens this step runs, for the stages that do
+    # not sample and so do not know the previous step's token (as vLLM's new_token_ids).
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):
