@@ -122,6 +122,7 @@ class _StepPlan:
     """One step's decisions so far."""
 
     token_budget: int
+    max_reqs: int = 1 << 62  # requests per step (pipeline parallelism caps it; else max_num_seqs does)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     # Running requests scheduled again, with the ids of the blocks they gained this step.
@@ -143,6 +144,7 @@ class Scheduler:
         # Pipeline parallelism: a request whose next token is still being computed in a batch in
         # flight is not scheduled again until it arrives (the first stages cannot have it yet).
         self.pipeline_parallel = config.pipeline_parallel_size > 1
+        self.pipeline_parallel_size = config.pipeline_parallel_size
         self.block_size = config.block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
@@ -287,6 +289,11 @@ class Scheduler:
         if self.connector is not None and (self.waiting_for_remote_kvs or self.held_blocks):
             self._expire_kv_transfers(time.monotonic())
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        if self.pipeline_parallel:
+            # A batch takes its share of the live requests: with all of them in one batch the
+            # next would be empty (none may be in two at once) and the stages would take turns.
+            plan.max_reqs = cdiv(min(len(self.running) + len(self.waiting), self.max_num_seqs),
+                                 self.pipeline_parallel_size)
         if self.policy == "v0":
             # Prefills first, whole prompts only; a step that admits anything does nothing else.
             # Running requests wait meanwhile: the stall V1 removes.
@@ -318,7 +325,7 @@ class Scheduler:
         Returns whether anything was preempted."""
         preempted = False
         req_index = 0
-        while req_index < len(self.running) and plan.token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0 and len(plan.num_scheduled_tokens) < plan.max_reqs:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new_tokens <= 0 or self._finishes_in_flight(request) or (
@@ -374,7 +381,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan, whole_prompts_only: bool) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
-        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs
+               and len(plan.num_scheduled_tokens) < plan.max_reqs):
             request = self.waiting.peek()
             num_external_tokens = 0
             if request.num_computed_tokens:  # holds blocks: its KV was loaded by the connector

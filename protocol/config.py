@@ -200,7 +200,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         _check_tensor_parallel_size(tensor_parallel_size, hf_config, device, distributed_executor_backend)
         _check_pipeline_parallel(pipeline_parallel_size, hf_config, tensor_parallel_size, data_parallel_size,
-                                 kv_transfer_config, device, distributed_executor_backend)
+                                 kv_transfer_config is not None or kv_offloading_size is not None, device,
+                                 distributed_executor_backend)
         default_budget = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if _runs_on_cuda(device) else DEFAULT_MAX_NUM_BATCHED_TOKENS
         if scheduling_policy == "v0":
             # V0 prefills whole prompts, so one step must hold the longest one (vLLM V0's rule);
@@ -337,7 +338,7 @@ def _check_distributed(distributed_executor_backend: str, data_parallel_size: in
 
 
 def _check_pipeline_parallel(size: int, hf_config, tensor_parallel_size: int, data_parallel_size: int,
-                             kv_transfer_config, device: str, backend: str) -> None:
+                             kv_connector: bool, device: str, backend: str) -> None:
     """Pipeline parallelism: the layers split into `size` stages of tensor_parallel_size ranks each.
     Every stage needs at least one layer; on mp + CUDA every rank needs its own visible device."""
     _check_at_least("pipeline_parallel_size", size, 1)
@@ -349,7 +350,7 @@ def _check_pipeline_parallel(size: int, hf_config, tensor_parallel_size: int, da
                          f"at least one); use a value in [1, {num_layers}].")
     if data_parallel_size > 1:
         raise ValueError("pipeline_parallel_size > 1 with data_parallel_size > 1 is not supported; use one of them.")
-    if kv_transfer_config is not None:
+    if kv_connector:
         raise ValueError("pipeline_parallel_size > 1 with a KV connector (kv_transfer_config, kv_offloading_size, "
                          "preemption_mode='swap') is not supported; use pipeline_parallel_size=1.")
     if backend == "mp" and _runs_on_cuda(device):  # ray: the cluster's GPUs count
