@@ -147,7 +147,8 @@ class RayExecutor(ZmqExecutor):
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         per_node = [n["Resources"].get(resource, 0) for n in nodes]
         what = (f"tensor_parallel_size={self.tensor_parallel_size}" if self.pipeline_parallel_size == 1 else
-                f"pipeline_parallel_size={self.pipeline_parallel_size} x tensor_parallel_size={self.tensor_parallel_size}")
+                f"pipeline_parallel_size={self.pipeline_parallel_size} x "
+                f"tensor_parallel_size={self.tensor_parallel_size}")
         if sum(per_node) < self.world_size:
             raise RuntimeError(
                 f"{what} needs {self.world_size} x {resource} in the Ray cluster, "
@@ -199,7 +200,8 @@ class RayExecutor(ZmqExecutor):
         if rank >= len(self.infos):
             return f"worker {rank} (a Ray actor not placed yet)"
         info = self.infos[rank]
-        return f"worker {rank} (Ray actor, pid {info['pid']}{self.stage_note(rank)}) on node {info['node_ip']} ({info['node_id'][:8]})"
+        return (f"worker {rank} (Ray actor, pid {info['pid']}{self.stage_note(rank)}) on node {info['node_ip']} "
+                f"({info['node_id'][:8]})")
 
     def dead_worker(self, rank: int) -> str | None:
         if rank in self.dead_reasons:

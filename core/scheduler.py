@@ -325,7 +325,8 @@ class Scheduler:
         Returns whether anything was preempted."""
         preempted = False
         req_index = 0
-        while req_index < len(self.running) and plan.token_budget > 0 and len(plan.num_scheduled_tokens) < plan.max_reqs:
+        while (req_index < len(self.running) and plan.token_budget > 0
+               and len(plan.num_scheduled_tokens) < plan.max_reqs):
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new_tokens <= 0 or self._finishes_in_flight(request) or (

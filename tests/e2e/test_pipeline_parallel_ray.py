@@ -28,7 +28,7 @@ from tests.e2e.test_ray import (  # noqa: E402, F401  (fixtures are found by nam
 )
 
 
-def test_pp2_across_two_nodes_equals_one_worker(ray_cluster, tiny_llama, reference_tokens) -> None:
+def test_pp2_across_two_nodes_equals_one_worker(ray_cluster, tiny_llama, reference_tokens) -> None:  # noqa: F811
     before = set(ray.util.placement_group_table())
     with LLM(tiny_llama, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE_ARGS) as llm:
         pids = [llm.engine_info.engine_pid, *llm.engine_info.worker_pids]
@@ -42,7 +42,8 @@ def test_pp2_across_two_nodes_equals_one_worker(ray_cluster, tiny_llama, referen
 
 
 @pytest.mark.parametrize("victim", [0, 1])
-def test_killed_stage_actor_is_engine_dead_naming_rank_stage_and_node(ray_cluster, tiny_llama, victim: int) -> None:
+def test_killed_stage_actor_is_engine_dead_naming_rank_stage_and_node(ray_cluster, tiny_llama,  # noqa: F811
+                                                                     victim: int) -> None:
     llm = LLM(tiny_llama, pipeline_parallel_size=2, distributed_executor_backend="ray",
               **{**ENGINE_ARGS, "max_model_len": 512, "max_num_batched_tokens": 16})
     pids = [llm.engine_info.engine_pid, *llm.engine_info.worker_pids]
