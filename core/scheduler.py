@@ -370,15 +370,15 @@ class Scheduler:
         return ((max_tokens is not None and num_output_tokens >= max_tokens)
                 or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
-    def _pp_new_token_ids(self, request: Request, num_tokens: int) -> list[int]:
-        """Pipeline parallelism: the tokens a step runs, for the stages that do not sample (see
-        CachedRequestData.new_token_ids); prompt tokens they have already."""
-        if not self.pipeline_parallel:
-            return []
-        start = max(request.num_computed_tokens, request.num_prompt_tokens)
-        end = request.num_computed_tokens + num_tokens
-        return request.output_token_ids[start - request.num_prompt_tokens:end - request.num_prompt_tokens] \
-            if end > start else []
+    def _attach_pp_token_ids(self, scheduler_output: SchedulerOutput, plan: _StepPlan) -> None:
+        """Pipeline parallelism: the tokens each running request runs this step past its prompt,
+        for the stages that do not sample (CachedRequestData.new_token_ids); the prompt they have."""
+        for cached, (request, _) in zip(scheduler_output.scheduled_cached_reqs, plan.cached_reqs):
+            start = max(request.num_computed_tokens, request.num_prompt_tokens)
+            end = request.num_computed_tokens + scheduler_output.num_scheduled_tokens[request.request_id]
+            if end > start:
+                cached.new_token_ids = request.output_token_ids[start - request.num_prompt_tokens:
+                                                                end - request.num_prompt_tokens]
 
     def _schedule_waiting(self, plan: _StepPlan, whole_prompts_only: bool) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
@@ -451,8 +451,7 @@ class Scheduler:
                 for request in plan.new_reqs
             ],
             scheduled_cached_reqs=[
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens,
-                                  self._pp_new_token_ids(request, num_scheduled_tokens[request.request_id]))
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
                 for request, new_block_ids in plan.cached_reqs
             ],
             num_scheduled_tokens=num_scheduled_tokens,
@@ -461,6 +460,8 @@ class Scheduler:
             preempted_req_ids=[],
             step_id=next(self.step_counter),
         )
+        if self.pipeline_parallel:
+            self._attach_pp_token_ids(scheduler_output, plan)
         # Report finished/preempted ids only in a step the worker will see.
         if total_num_scheduled_tokens > 0:
             scheduler_output.finished_req_ids = self.finished_req_ids
