@@ -22,8 +22,13 @@ import torch
 
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import CachedRequestData
-from minivllm.worker.distributed import get_global_rank, get_stage_rank, get_pp_rank, get_pp_world_size, \
-    is_first_stage, is_last_stage
+from minivllm.worker.distributed import (
+    get_pp_rank,
+    get_pp_world_size,
+    get_stage_rank,
+    is_first_stage,
+    is_last_stage,
+)
 from minivllm.worker.input_batch import InputBatch
 
 
@@ -40,7 +45,6 @@ class PipelineStage:
         self.is_first, self.is_last = is_first_stage(), is_last_stage()
         self.prev_rank = None if self.is_first else get_stage_rank(self.pp_rank - 1)
         self.next_rank = None if self.is_last else get_stage_rank(self.pp_rank + 1)
-        self.global_rank = get_global_rank()
         self.max_sends = max_sends
         self.sends: list[tuple[torch.distributed.Work, torch.Tensor]] = []
         self.num_sent = self.num_received = 0
