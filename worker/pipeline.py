@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import CachedRequestData
 from minivllm.worker.distributed import (

@@ -15,10 +15,10 @@ import threading
 import time
 
 import pytest
-
 from minivllm import LLM, EngineDeadError, SamplingParams
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import EngineCoreRequest
+
 from tests.procs import wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -18,6 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from minivllm import LLM, EngineDeadError, SamplingParams  # noqa: E402
+
 from tests.e2e.test_ray import (  # noqa: E402, F401  (fixtures are found by name)
     ENGINE_ARGS,
     GREEDY,

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-
 from minivllm import LLM, EngineDeadError, SamplingParams
+
 from tests.procs import wait_gone
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+
 from tests.unit.scheduler_harness import check_invariants, make_request, make_scheduler
 
 
