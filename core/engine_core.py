@@ -159,6 +159,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_gpu_blocks)
         # Async scheduling: steps sent to the workers whose tokens have not come back, oldest first.
         self.steps_in_flight: deque[SchedulerOutput] = deque()
+        # How many: one ahead with async scheduling; with pipeline parallelism one per stage (a
+        # batch queue: stage 0 runs batch B+1 while stage 1 runs B; the scheduler keeps a request
+        # out of a batch while its previous token is still in flight).
+        self.max_concurrent_batches = max(2, config.pipeline_parallel_size)
+        self.peak_batches_in_flight = 0  # the most seen at once (tests and logs read it)
         self.step_timer = StepTimer()
         capacity = num_gpu_blocks * config.block_size
         logger.info(
@@ -187,7 +192,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and turn its tokens into outputs."""
-        if self.config.async_scheduling:
+        if self.config.async_scheduling or self.config.pipeline_parallel_size > 1:
             return self.step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
@@ -207,14 +212,17 @@ class EngineCore:
     def step_async(self) -> list[EngineCoreOutput]:
         """Keep the workers one step ahead: schedule and submit step N+1, then wait for step N's
         tokens and turn them into outputs while the workers already run N+1. The scheduler counts
-        N's tokens as placeholders meanwhile; the workers have them by the time they run N+1."""
+        N's tokens as placeholders meanwhile; the workers have them by the time they run N+1.
+        With pipeline parallelism up to max_concurrent_batches steps are in flight, each with
+        requests the others do not have (Scheduler.pipeline_parallel)."""
         t0 = time.perf_counter()
         submitted = False
-        if self.scheduler.has_unfinished_requests() and len(self.steps_in_flight) < 2:
+        if self.scheduler.has_unfinished_requests() and len(self.steps_in_flight) < self.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.kv_connector_metadata is not None:
                 self.executor.submit(scheduler_output)
                 self.steps_in_flight.append(scheduler_output)
+                self.peak_batches_in_flight = max(self.peak_batches_in_flight, len(self.steps_in_flight))
                 submitted = True
             else:  # nothing runnable until a step in flight reports (or ever, if none is)
                 empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -222,7 +230,7 @@ class EngineCore:
                 if not self.steps_in_flight:
                     return outputs
         t1 = time.perf_counter()
-        if not self.steps_in_flight or (submitted and len(self.steps_in_flight) < 2):
+        if not self.steps_in_flight or (submitted and len(self.steps_in_flight) < self.max_concurrent_batches):
             return []  # the pipeline is filling: schedule the next step first
         scheduler_output = self.steps_in_flight.popleft()
         model_output = self.executor.receive_output()
@@ -254,7 +262,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         if self.step_timer.num_steps:
-            logger.info("%s", self.step_timer)
+            logger.info("%s; at most %d batches in flight", self.step_timer, self.peak_batches_in_flight)
         self.executor.shutdown()
 
 

@@ -6,12 +6,14 @@ Two ways to start and place the workers share one transport (ZmqExecutor):
     on other nodes. Ray only places and watches them; the steps still travel over ZMQ.
 
 Each worker gets its own PUSH socket for work (a SchedulerOutput is sent to every worker), and all
-workers answer on one shared PULL socket. Only rank 0 returns sampled tokens (every rank samples
-the same ones: see worker/models/parallel_layers.py). The sockets are Unix sockets (ipc://) when
-every worker is on this host; when some are on other nodes they are TCP on this node's address,
-and CURVE-authenticated with a key pair made for this executor alone (only its workers hold it).
-With several workers (tensor parallelism) the executor also picks the address at which they form
-their torch.distributed group.
+workers answer on one shared PULL socket. Only one rank returns sampled tokens: rank 0, or with
+pipeline parallelism TP rank 0 of the last stage (every TP rank samples the same ones: see
+worker/models/parallel_layers.py; earlier stages only pass activations on: worker/pipeline.py).
+World = pipeline_parallel_size x tensor_parallel_size ranks; rank = pp_rank * tp + tp_rank.
+The sockets are Unix sockets (ipc://) when every worker is on this host; when some are on other
+nodes they are TCP on this node's address, and CURVE-authenticated with a key pair made for this
+executor alone (only its workers hold it). With several workers (tensor or pipeline parallelism)
+the executor also picks the address at which they form their torch.distributed group.
 
 While waiting for an answer the executor checks every second that its workers are still alive,
 so a dead worker becomes a WorkerDiedError within about a second instead of a hang. A worker that
@@ -71,7 +73,10 @@ class ZmqExecutor:
     blame_grace_s = 1.0
 
     def __init__(self, config: EngineConfig) -> None:
-        self.world_size = config.tensor_parallel_size
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.pipeline_parallel_size = config.pipeline_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.step_timeout_s = config.execute_model_timeout_seconds
         self.hung = False
         self.ctx = zmq.Context()
@@ -117,6 +122,13 @@ class ZmqExecutor:
         self.authenticator.start()
         self.authenticator.configure_curve_callback("*", credentials_provider=_OnlyOurWorkers())
 
+    def stage_note(self, rank: int) -> str:
+        """", pipeline stage 1" (and ", TP rank 1") for a worker's description; "" without PP."""
+        if self.pipeline_parallel_size == 1:
+            return ""
+        tp_note = f", TP rank {rank % self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        return f", pipeline stage {rank // self.tensor_parallel_size}{tp_note}"
+
     def dead_worker(self, rank: int) -> str | None:
         """Why worker `rank` is gone (for the error), or None while it lives."""
         raise NotImplementedError
@@ -156,7 +168,8 @@ class ZmqExecutor:
         """The sampled tokens of the oldest step submitted and not yet received."""
         message = self._receive(self.step_timeout_s)
         if not isinstance(message, ModelRunnerOutput):
-            raise WorkerDiedError(f"expected a model output from rank 0, got {type(message).__name__}")
+            raise WorkerDiedError(f"expected a model output from rank {self.output_rank}, got "
+                                  f"{type(message).__name__}")
         return message
 
     def check_alive(self) -> None:
@@ -261,7 +274,7 @@ class MpExecutor(ZmqExecutor):
         code = proc.poll()
         if code is None:
             return None
-        return f"worker {rank} (pid {proc.pid}) exited unexpectedly with code {code}"
+        return f"worker {rank} (pid {proc.pid}{self.stage_note(rank)}) exited unexpectedly with code {code}"
 
     def describe_workers(self) -> str:
         return f"worker pids {self.worker_pids}"

@@ -8,7 +8,9 @@ Ray places the workers, gives rank 0's node address for the torch.distributed gr
 a dead actor or node; it carries nothing of the steps, which travel over ZMQ as with the mp
 executor (ZmqExecutor, shared). The placement group has one bundle per rank (one GPU on CUDA,
 one CPU otherwise); the group is packed onto one node when a node has room for all of it
-(STRICT_PACK), else spread over as few nodes as fit (PACK), as vLLM does.
+(STRICT_PACK), else spread over as few nodes as fit (PACK), as vLLM does. With pipeline
+parallelism there is one such group per stage (its TP group), and the stages may land on
+different nodes.
 
 Like ray.init(address="auto"), the executor joins the cluster that runs on this host ($RAY_ADDRESS,
 if set, names it); with none, Ray starts a local one for this EngineCore alone. Actors and placement group are
@@ -103,7 +105,7 @@ class RayExecutor(ZmqExecutor):
         super().__init__(config)
         self.actors: list[Any] = []
         self.run_refs: list[Any] = []
-        self.placement_group = None
+        self.placement_groups: list[Any] = []
         self.infos: list[dict[str, Any]] = []
         self.dead_reasons: dict[int, str] = {}
         self.connected_ray = connect_ray()
@@ -142,24 +144,33 @@ class RayExecutor(ZmqExecutor):
         from minivllm.worker.ray_worker import RayWorker
 
         resource = "GPU" if wants_gpus(config) else "CPU"
-        bundles = [{resource: 1.0} for _ in range(self.world_size)]
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         per_node = [n["Resources"].get(resource, 0) for n in nodes]
+        what = (f"tensor_parallel_size={self.tensor_parallel_size}" if self.pipeline_parallel_size == 1 else
+                f"pipeline_parallel_size={self.pipeline_parallel_size} x "
+                f"tensor_parallel_size={self.tensor_parallel_size}")
         if sum(per_node) < self.world_size:
             raise RuntimeError(
-                f"tensor_parallel_size={self.world_size} needs {self.world_size} x {resource} in the Ray cluster, "
+                f"{what} needs {self.world_size} x {resource} in the Ray cluster, "
                 f"which has {sum(per_node):g} over {len(nodes)} node(s); add nodes (`ray start --address=...`) "
-                "or lower tensor_parallel_size.")
-        strategy = "STRICT_PACK" if max(per_node, default=0) >= self.world_size else "PACK"
-        self.placement_group = placement_group(bundles, strategy=strategy)
+                "or lower tensor_parallel_size / pipeline_parallel_size.")
+        # One placement group per pipeline stage (one in all without PP): a stage's TP group on one
+        # node when a node has room for it (STRICT_PACK: its all-reduces stay on NVLink), else
+        # over as few nodes as fit (PACK); the stages themselves go wherever Ray finds room, so
+        # they spread over nodes when one node cannot hold them all (only activations cross).
+        group_size = self.tensor_parallel_size if self.pipeline_parallel_size > 1 else self.world_size
+        strategy = "STRICT_PACK" if max(per_node, default=0) >= group_size else "PACK"
+        self.placement_groups = [placement_group([{resource: 1.0}] * group_size, strategy=strategy)
+                                 for _ in range(self.world_size // group_size)]
         timeout = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, DEFAULT_PLACEMENT_TIMEOUT_S))
         try:
-            ray.get(self.placement_group.ready(), timeout=timeout)
+            ray.get([group.ready() for group in self.placement_groups], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
                 f"the Ray cluster did not make room for {self.world_size} worker(s) of 1 {resource} each "
-                f"({strategy}) within {timeout:g} s: other jobs hold its resources "
-                f"(available now: {ray.available_resources()}). Set {PLACEMENT_TIMEOUT_ENV} to wait longer."
+                f"({len(self.placement_groups)} group(s) of {group_size}, {strategy}) within {timeout:g} s: other "
+                f"jobs hold its resources (available now: {ray.available_resources()}). Set "
+                f"{PLACEMENT_TIMEOUT_ENV} to wait longer."
             ) from None
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
         actor_class = ray.remote(RayWorker)
@@ -169,13 +180,14 @@ class RayExecutor(ZmqExecutor):
                 num_gpus=1 if resource == "GPU" else 0,
                 max_restarts=0,  # a worker's state (its KV cache, its group) cannot come back
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=rank),
+                    placement_group=self.placement_groups[rank // group_size],
+                    placement_group_bundle_index=rank % group_size),
             )
             if env:
                 options["runtime_env"] = {"env_vars": env}
             self.actors.append(actor_class.options(**options).remote())
         self.infos = ray.get([actor.node_info.remote() for actor in self.actors])
-        logger.info("placement group (%s): %s", strategy,
+        logger.info("placement group(s) (%s): %s", strategy,
                     ", ".join(f"rank {r} on {i['node_ip']} (node {i['node_id'][:8]})" for r, i in enumerate(self.infos)))
 
     # -- ZmqExecutor's hooks ------------------------------------------------------------------
@@ -188,7 +200,8 @@ class RayExecutor(ZmqExecutor):
         if rank >= len(self.infos):
             return f"worker {rank} (a Ray actor not placed yet)"
         info = self.infos[rank]
-        return f"worker {rank} (Ray actor, pid {info['pid']}) on node {info['node_ip']} ({info['node_id'][:8]})"
+        return (f"worker {rank} (Ray actor, pid {info['pid']}{self.stage_note(rank)}) on node {info['node_ip']} "
+                f"({info['node_id'][:8]})")
 
     def dead_worker(self, rank: int) -> str | None:
         if rank in self.dead_reasons:
@@ -245,12 +258,13 @@ class RayExecutor(ZmqExecutor):
                 ray.kill(actor, no_restart=True)
             except Exception as e:  # already dead
                 logger.debug("ray.kill: %s", e)
-        if self.placement_group is not None:
+        if self.placement_groups:
             from ray.util.placement_group import remove_placement_group
 
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception as e:
-                logger.warning("could not remove the placement group: %s", e)
+            for group in self.placement_groups:
+                try:
+                    remove_placement_group(group)
+                except Exception as e:
+                    logger.warning("could not remove a placement group: %s", e)
         if self.connected_ray:
             ray.shutdown()

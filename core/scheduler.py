@@ -132,6 +132,7 @@ class _StepPlan:
     """One step's decisions so far."""
 
     token_budget: int
+    max_reqs: int = 1 << 62  # requests per step (pipeline parallelism caps it; else max_num_seqs does)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     # Running requests scheduled again, with the ids of the blocks they gained this step.
@@ -154,6 +155,10 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        # Pipeline parallelism: a request whose next token is still being computed in a batch in
+        # flight is not scheduled again until it arrives (the first stages cannot have it yet).
+        self.pipeline_parallel = config.pipeline_parallel_size > 1
+        self.pipeline_parallel_size = config.pipeline_parallel_size
         self.block_size = config.block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
@@ -318,6 +323,11 @@ class Scheduler:
             self._expire_kv_transfers(time.monotonic())
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         plan.speculating = self.num_spec_tokens > 0 and len(self.running) <= self.spec_disable_by_batch_size
+        if self.pipeline_parallel:
+            # A batch takes its share of the live requests: with all of them in one batch the
+            # next would be empty (none may be in two at once) and the stages would take turns.
+            plan.max_reqs = cdiv(min(len(self.running) + len(self.waiting), self.max_num_seqs),
+                                 self.pipeline_parallel_size)
         if self.policy == "v0":
             # Prefills first, whole prompts only; a step that admits anything does nothing else.
             # Running requests wait meanwhile: the stall V1 removes.
@@ -349,10 +359,12 @@ class Scheduler:
         Returns whether anything was preempted."""
         preempted = False
         req_index = 0
-        while req_index < len(self.running) and plan.token_budget > 0:
+        while (req_index < len(self.running) and plan.token_budget > 0
+               and len(plan.num_scheduled_tokens) < plan.max_reqs):
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
-            if num_new_tokens <= 0 or self._finishes_in_flight(request):  # nothing to run for now
+            if num_new_tokens <= 0 or self._finishes_in_flight(request) or (
+                    self.pipeline_parallel and request.num_output_placeholders):  # nothing to run for now
                 req_index += 1
                 continue
             drafts: list[int] = []
@@ -423,9 +435,20 @@ class Scheduler:
         return ((max_tokens is not None and num_output_tokens >= max_tokens)
                 or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
+    def _attach_pp_token_ids(self, scheduler_output: SchedulerOutput, plan: _StepPlan) -> None:
+        """Pipeline parallelism: the tokens each running request runs this step past its prompt,
+        for the stages that do not sample (CachedRequestData.new_token_ids); the prompt they have."""
+        for cached, (request, _) in zip(scheduler_output.scheduled_cached_reqs, plan.cached_reqs):
+            start = max(request.num_computed_tokens, request.num_prompt_tokens)
+            end = request.num_computed_tokens + scheduler_output.num_scheduled_tokens[request.request_id]
+            if end > start:
+                cached.new_token_ids = request.output_token_ids[start - request.num_prompt_tokens:
+                                                                end - request.num_prompt_tokens]
+
     def _schedule_waiting(self, plan: _StepPlan, whole_prompts_only: bool) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
-        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs
+               and len(plan.num_scheduled_tokens) < plan.max_reqs):
             request = self.waiting.peek()
             num_external_tokens = 0
             if request.num_computed_tokens:  # holds blocks: its KV was loaded by the connector
@@ -507,6 +530,8 @@ class Scheduler:
         )
         for request, _ in plan.cached_reqs:
             request.num_released_blocks = 0
+        if self.pipeline_parallel:
+            self._attach_pp_token_ids(scheduler_output, plan)
         # Report finished/preempted ids only in a step the worker will see.
         if total_num_scheduled_tokens > 0:
             scheduler_output.finished_req_ids = self.finished_req_ids

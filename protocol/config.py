@@ -192,7 +192,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         kv_transfer_config = _check_kv_transfer(kv_offloading_size, preemption_mode, kv_transfer_config)
 
         _check_distributed(distributed_executor_backend, data_parallel_size, tensor_parallel_size, device)
-        _check_pipeline_parallel(pipeline_parallel_size)
+        _check_at_least("pipeline_parallel_size", pipeline_parallel_size, 1)
         speculative_config = _check_speculative(speculative_config, model, tensor_parallel_size, pipeline_parallel_size,
                                                  kv_transfer_config)
 
@@ -211,6 +211,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"({derived_len}); use a value in [1, {derived_len}]."
             )
         _check_tensor_parallel_size(tensor_parallel_size, hf_config, device, distributed_executor_backend)
+        _check_pipeline_parallel(pipeline_parallel_size, hf_config, tensor_parallel_size, data_parallel_size,
+                                 kv_transfer_config is not None or kv_offloading_size is not None, device,
+                                 distributed_executor_backend)
         default_budget = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if runs_on_cuda(device) else DEFAULT_MAX_NUM_BATCHED_TOKENS
         if scheduling_policy == "v0":
             # V0 prefills whole prompts, so one step must hold the longest one (vLLM V0's rule);
@@ -346,11 +349,31 @@ def _check_distributed(distributed_executor_backend: str, data_parallel_size: in
                 "use distributed_executor_backend='ray' to span several machines.")
 
 
-def _check_pipeline_parallel(pipeline_parallel_size: int) -> None:
-    _check_at_least("pipeline_parallel_size", pipeline_parallel_size, 1)
-    if pipeline_parallel_size > 1:
-        raise ValueError("pipeline_parallel_size > 1 is not supported yet; use 1 (tensor_parallel_size "
-                         "and data_parallel_size scale today).")
+def _check_pipeline_parallel(size: int, hf_config, tensor_parallel_size: int, data_parallel_size: int,
+                             kv_connector: bool, device: str, backend: str) -> None:
+    """Pipeline parallelism: the layers split into `size` stages of tensor_parallel_size ranks each.
+    Every stage needs at least one layer; on mp + CUDA every rank needs its own visible device."""
+    _check_at_least("pipeline_parallel_size", size, 1)
+    if size == 1:
+        return
+    num_layers = int(hf_config.num_hidden_layers)
+    if size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={size} exceeds the model's {num_layers} layers (each stage needs "
+                         f"at least one); use a value in [1, {num_layers}].")
+    if data_parallel_size > 1:
+        raise ValueError("pipeline_parallel_size > 1 with data_parallel_size > 1 is not supported; use one of them.")
+    if kv_connector:
+        raise ValueError("pipeline_parallel_size > 1 with a KV connector (kv_transfer_config, kv_offloading_size, "
+                         "preemption_mode='swap') is not supported; use pipeline_parallel_size=1.")
+    if backend == "mp" and runs_on_cuda(device):  # ray: the cluster's GPUs count
+        import torch
+
+        visible, needed = torch.cuda.device_count(), size * tensor_parallel_size
+        if needed > visible:
+            raise ValueError(
+                f"pipeline_parallel_size={size} x tensor_parallel_size={tensor_parallel_size} needs {needed} CUDA "
+                f"devices, but {visible} are visible (CUDA_VISIBLE_DEVICES); lower one of them, or use "
+                "distributed_executor_backend='ray' to span several machines.")
 
 
 def _check_speculative(speculative_config: SpeculativeConfig | dict | None, model: str = "",

@@ -207,6 +207,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     # Tail blocks the scheduler took back since the request's last step (they held only rejected
     # draft tokens): drop them from the block table before appending new_block_ids.
     num_released_blocks: int = 0
+    # Pipeline parallelism only (else empty): the tokens this step runs, for the stages that do
+    # not sample and so do not know the previous step's token (as vLLM's new_token_ids).
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, tag="schedule", kw_only=True):

@@ -37,6 +37,7 @@ from minivllm.worker.kv_connector import make_kv_connector_driver
 from minivllm.worker.logits_processors import apply_logits_processors
 from minivllm.worker.logprobs import sampled_logprobs
 from minivllm.worker.models.loader import describe, load_model
+from minivllm.worker.pipeline import apply_new_token_ids, make_pipeline_stage
 from minivllm.worker.prompt_logprobs import gather_prompt_logprobs
 from minivllm.worker.sampler import Sampler, SamplingMetadata, reseed_generators
 
@@ -97,6 +98,8 @@ class ModelRunner:
 
         self.model = load_model(config, self.device, self.dtype, attn_backend=default_backend(self.device))
         logger.info("model loaded on %s (%s): %s", self.device, self.dtype, describe(self.model))
+        # Pipeline parallelism (worker/pipeline.py): this worker's stage, None with one stage.
+        self.stage = make_pipeline_stage(config, self.model, self.dtype, self.device)
         self.kv_layout = KVCacheLayout(config.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype,
                                        fp8=config.kv_cache_dtype != "auto")
 
@@ -116,6 +119,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         overlap = os.environ.get(OVERLAP_ENV)
         self.overlap_outputs = self.device.type == "cuda" if overlap is None else overlap == "1"
+        self.overlap_outputs &= self.stage is None  # pipeline stages overlap batches instead
         self.pending: PendingStep | None = None
         self.sampled_host = torch.empty(config.max_num_seqs, dtype=torch.int64,
                                         pin_memory=self.device.type == "cuda")
@@ -197,12 +201,14 @@ class ModelRunner:
             max_seq_len=int(query_lens.max()),
         )
         metadata = self.buffers.load(step)
-        hidden = self.model(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens],
-                            scratch_caches, metadata)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices).to(self.device)])
-        ones = np.ones(num_seqs, dtype=np.float32)
-        self.sampler(logits, SamplingMetadata.from_arrays(
-            ones, np.full(num_seqs, 50, dtype=np.int64), ones * 0.9, [None] * num_seqs, self.device))
+        inputs = (self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens], scratch_caches, metadata)
+        hidden = self.model(*inputs) if self.stage is None else self.stage.profile_forward(self.model, *inputs)
+        logits = None
+        if hidden is not None:  # not on a pipeline stage before the last
+            logits = self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices).to(self.device)])
+            ones = np.ones(num_seqs, dtype=np.float32)
+            self.sampler(logits, SamplingMetadata.from_arrays(
+                ones, np.full(num_seqs, 50, dtype=np.int64), ones * 0.9, [None] * num_seqs, self.device))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch_caches, hidden, logits
@@ -228,7 +234,7 @@ class ModelRunner:
             self.spec_decoder.initialize_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.stage is None:  # PP: eager
             with torch.inference_mode():
                 self.graphs = StepGraphs(self._forward, self.buffers, self.config.max_num_seqs,
                                          self.config.max_num_batched_tokens, self.config.max_model_len)
@@ -236,6 +242,8 @@ class ModelRunner:
     # ------------------------------------------------------------ one step
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if self.stage is not None:  # one pipeline stage: None on a stage before the last
+            return self.stage.forward(self.model, input_ids, positions, self.kv_caches, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -255,6 +263,8 @@ class ModelRunner:
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens,
                                         scheduler_output.scheduled_spec_decode_tokens)
         hidden_states = self._run_model(step)
+        if hidden_states is None:  # a pipeline stage before the last: its activations went on
+            return [_NO_OUTPUT]
         if self.spec_decoder is not None:
             self.spec_decoder.after_forward(step)  # a draft model runs the same tokens
         outputs = self.finish_pending()  # the previous step's tokens: needed by the sampling below
@@ -366,3 +376,5 @@ class ModelRunner:
             if cached.new_block_ids:
                 batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if cached.new_token_ids:  # pipeline parallelism: tokens a stage that does not sample lacks
+                apply_new_token_ids(batch, cached)

@@ -1,7 +1,7 @@
 """The worker process: one per GPU. It owns the device, the model and the KV cache.
 
 Loop: receive a message from the EngineCore, act, answer. A SchedulerOutput runs one model step
-(only rank 0 answers with the sampled tokens; on CUDA a step's answer goes out once the next step
+(only rank 0 answers with the sampled tokens -- TP rank 0 of the last stage under pipeline parallelism; on CUDA a step's answer goes out once the next step
 is launched, or as soon as its tokens are ready when no next step is queued: see ModelRunner); a WorkerCall runs one of the few methods listed in
 Worker.CALLABLE; Shutdown ends the loop. Any failure is reported with its traceback, then the
 process exits, so the EngineCore can turn it into a clear error.
@@ -41,7 +41,7 @@ class Worker:
         from minivllm.worker.model_runner import ModelRunner, resolve_device
 
         self.rank = rank
-        world_size = config.tensor_parallel_size
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         device_index = rank if device_index is None else device_index
         device = resolve_device(config.device, device_index)
         # Data-parallel engines' workers share the host's cores too (when they run on the CPU).
@@ -53,7 +53,8 @@ class Worker:
                 torch.cuda.set_device(device)  # before NCCL makes its communicator on it
             else:  # the ranks share the host's cores: a thread pool each the size of all would thrash
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_on_cpu))
-        init_distributed(rank, world_size, dist_init_address, device)  # before the model: layers read it
+        init_distributed(rank, config.tensor_parallel_size, dist_init_address, device,  # before the model: layers read it
+                         config.pipeline_parallel_size)
         self.model_runner = ModelRunner(config, device_index)  # its `rank` picks the CUDA device
 
     def determine_num_blocks(self) -> int:
@@ -86,8 +87,11 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
     def reply(method: str, result: Any = None, error: str | None = None) -> None:
         result_socket.send(encode(WorkerReply(rank, method, result, error)))
 
+    # TP rank 0 of the last pipeline stage (rank = pp_rank * tp + tp_rank; rank 0 without PP).
+    answers = rank == (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
     def send_outputs(outputs: list[ModelRunnerOutput]) -> None:
-        if rank == 0:  # the ranks compute the same tokens; one answers
+        if answers:  # the ranks compute the same tokens; one answers
             for output in outputs:
                 result_socket.send(encode(output))
 
@@ -141,7 +145,7 @@ def main() -> None:
                         format=f"%(levelname)s %(asctime)s [worker{args.rank}] %(name)s: %(message)s")
     config = msgspec.json.decode(args.config, type=EngineConfig)
     code = run_worker(config, args.rank, args.work_address, args.result_address, args.dist_init_address)
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         # Everything is flushed and the group is left; skip the interpreter's teardown, where
         # torch.distributed's rendezvous store has been seen to stall the exit for seconds.
         logging.shutdown()

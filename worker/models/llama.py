@@ -17,6 +17,12 @@ column-parallel, o_proj and down_proj row-parallel (one all-reduce per attention
 the embedding and LM head vocab-parallel. Each rank runs num_heads / tp query heads and
 num_kv_heads / tp KV heads; with fewer KV heads than ranks, each KV head is replicated on
 tp / num_kv_heads ranks (the ones whose query heads read it).
+
+Pipeline parallelism (worker/distributed.py): a stage builds only its layers [start, end) (the
+others are parameterless placeholders, so parameter names stay the checkpoint's), the embedding
+only on the first stage, the final norm and LM head only on the last (which also keeps the
+embedding when it is tied to the LM head). A stage other than the first takes the previous
+stage's (hidden states, residual); one other than the last returns them instead of the normed output.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import nn
 
 from minivllm.worker import cpu_gemm, ops
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
-from minivllm.worker.distributed import get_tp_rank, get_tp_world_size
+from minivllm.worker.distributed import get_tp_rank, get_tp_world_size, is_first_stage, is_last_stage, pp_layer_range
 from minivllm.worker.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -243,14 +249,23 @@ class LlamaDecoderLayer(nn.Module):
 # ---------------------------------------------------------------- the model
 
 
+class PPMissingLayer(nn.Module):
+    """Stands in for a module another pipeline stage holds (no parameters, never called)."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.start_layer, self.end_layer = pp_layer_range(hf_config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+                             if is_first_stage() or (tied and is_last_stage()) else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, attn_backend, max_position) for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(hf_config, attn_backend, max_position) if self.start_layer <= i < self.end_layer
+            else PPMissingLayer() for i in range(hf_config.num_hidden_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.stage_layers = list(self.layers)[self.start_layer:self.end_layer]  # a plain list: no copy per step
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps) if is_last_stage() else None
 
     def forward(
         self,
@@ -258,11 +273,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """intermediate: the previous stage's (hidden states, residual), on every stage but the first.
+        Returns the final normed hidden states on the last stage, else (hidden states, residual)."""
+        if intermediate is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate
+        for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        if self.norm is None:
+            return hidden_states, residual
         return self.norm(hidden_states, residual)[0]
 
 
@@ -286,14 +308,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, attn_backend, max_position)
         self.packed_logits_weight: torch.Tensor | None = None  # set by pack_for_cpu
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None  # logits use embed_tokens.weight (this rank's shard of it)
+        if self.tie_word_embeddings or not is_last_stage():
+            self.lm_head = None  # logits use embed_tokens.weight (this rank's shard of it), if tied
         else:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.vocab_size = hf_config.vocab_size
 
-        first_attn = self.model.layers[0].self_attn
-        self.num_layers = hf_config.num_hidden_layers
+        first_attn = self.model.stage_layers[0].self_attn
+        self.num_layers = len(self.model.stage_layers)  # this stage's: what its KV cache holds
         self.num_kv_heads = first_attn.num_kv_heads  # this rank's: what its KV cache holds
         self.head_dim = first_attn.head_dim
 
@@ -303,9 +325,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids/positions [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids/positions [num_tokens] -> final hidden states [num_tokens, hidden_size]
+        (pipeline stages: see LlamaModel.forward)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] (only the rows that sample) -> full logits [n, vocab_size] on
@@ -319,6 +343,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.pack_for_cpu()
+        if not is_last_stage():
+            return  # no LM head on this pipeline stage
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_logits_weight = cpu_gemm.pack(weight)
         if self.lm_head is not None:  # an untied head is read by the logits alone

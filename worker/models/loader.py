@@ -7,6 +7,9 @@ load_format:
                       from the file (safetensors `get_slice`)
   dummy               small uniform random weights, from config.json alone (benchmarks)
 
+Under pipeline parallelism a stage builds only its own layers (and the embedding / norm / LM head
+if they are its), and the checkpoint tensors of the other stages' modules are skipped unread.
+
 In fp32 on the CPU the loaded projections are then packed for oneDNN (worker/cpu_gemm.py), unless
 MINIVLLM_CPU_PACKED_GEMM=0.
 """
@@ -75,7 +78,7 @@ def load_model(
         load_safetensors_weights(model, config.model)
     else:
         raise ValueError(f"unknown load_format {config.load_format!r}")
-    if cpu_gemm.packs(model.model.embed_tokens.weight) and os.environ.get(CPU_PACKED_GEMM_ENV, "1") != "0":
+    if cpu_gemm.packs(next(model.parameters())) and os.environ.get(CPU_PACKED_GEMM_ENV, "1") != "0":
         model.pack_for_cpu()
     return model.eval()
 
@@ -107,6 +110,8 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: str) -> None:
                     continue
                 if name == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # some tied checkpoints store a copy anyway
+                if not _on_this_stage(model, name):
+                    continue  # another pipeline stage's weight
                 # A lazy handle: the layer indexes out its shard, and only that is read.
                 missing.discard(_load_one(model, params, name, f.get_slice(name)))
 
@@ -115,6 +120,21 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: str) -> None:
         more = f" and {len(names) - 10} more" if len(names) > 10 else ""
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(names[:10])}{more}")
     logger.info("loaded %d safetensors file(s) from %s", len(files), model_dir)
+
+
+def _on_this_stage(model: LlamaForCausalLM, name: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to a module this pipeline stage holds."""
+    inner = model.model
+    if name.startswith("model.layers."):
+        index = int(name.split(".", 3)[2])
+        return inner.start_layer <= index < inner.end_layer
+    if name.startswith("model.embed_tokens."):
+        return inner.embed_tokens is not None
+    if name.startswith("model.norm."):
+        return inner.norm is not None
+    if name.startswith("lm_head."):
+        return model.lm_head is not None
+    return True
 
 
 def _load_one(
