@@ -339,14 +339,18 @@ def _check_distributed(distributed_executor_backend: str, data_parallel_size: in
             raise ValueError("distributed_executor_backend='ray' needs Ray: `pip install ray` (or "
                              "`pip install minivllm[ray]`) on every node, or use 'mp'.")
     elif data_parallel_size > 1 and runs_on_cuda(device):
-        import torch
+        _check_visible_devices(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size}",
+                               data_parallel_size * tensor_parallel_size)
 
-        visible, needed = torch.cuda.device_count(), data_parallel_size * tensor_parallel_size
-        if needed > visible:
-            raise ValueError(
-                f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
-                f"{needed} CUDA devices, but {visible} are visible (CUDA_VISIBLE_DEVICES); lower one of them, or "
-                "use distributed_executor_backend='ray' to span several machines.")
+
+def _check_visible_devices(what: str, needed: int) -> None:
+    """mp on CUDA: every rank takes a device of those this process sees."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if needed > visible:
+        raise ValueError(f"{what} needs {needed} CUDA devices, but {visible} are visible (CUDA_VISIBLE_DEVICES); lower "
+                         "one of them, or use distributed_executor_backend='ray' to span several machines.")
 
 
 def _check_pipeline_parallel(size: int, hf_config, tensor_parallel_size: int, data_parallel_size: int,
@@ -366,14 +370,8 @@ def _check_pipeline_parallel(size: int, hf_config, tensor_parallel_size: int, da
         raise ValueError("pipeline_parallel_size > 1 with a KV connector (kv_transfer_config, kv_offloading_size, "
                          "preemption_mode='swap') is not supported; use pipeline_parallel_size=1.")
     if backend == "mp" and runs_on_cuda(device):  # ray: the cluster's GPUs count
-        import torch
-
-        visible, needed = torch.cuda.device_count(), size * tensor_parallel_size
-        if needed > visible:
-            raise ValueError(
-                f"pipeline_parallel_size={size} x tensor_parallel_size={tensor_parallel_size} needs {needed} CUDA "
-                f"devices, but {visible} are visible (CUDA_VISIBLE_DEVICES); lower one of them, or use "
-                "distributed_executor_backend='ray' to span several machines.")
+        _check_visible_devices(f"pipeline_parallel_size={size} x tensor_parallel_size={tensor_parallel_size}",
+                               size * tensor_parallel_size)
 
 
 def _check_speculative(speculative_config: SpeculativeConfig | dict | None, model: str = "",
