@@ -14,6 +14,17 @@ from minivllm.protocol.ipc import die_with_parent
 from tests.server_procs import MINIVLLM, free_port
 
 
+def wait_for_pull(puller, timeout: float = 10.0, interval: float = 0.01) -> tuple[set[str], dict[str, str]]:
+    """A KV block puller's next report (ids done, ids failed -> why), or AssertionError after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = puller.take_finished()
+        if done or failed:
+            return done, failed
+        time.sleep(interval)
+    raise AssertionError("the pull neither finished nor failed")
+
+
 class ProxyProcess:
     """`minivllm proxy --prefill ... --decode ...`; .url is its base URL. Up once it answers /health
     (whatever the status: a backend may be down on purpose)."""

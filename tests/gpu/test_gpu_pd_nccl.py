@@ -13,6 +13,7 @@ import torch
 from minivllm.worker.kv_connector import pd_nccl_transport
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import PullJob
+from tests.pd_procs import wait_for_pull
 from tests.server_procs import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -20,14 +21,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 28, 1024, (16, 8, 128)  # the Qwen3-0.6B shape's KV
 
 
-def wait_for(puller: NcclBlockPuller, timeout: float = 60.0) -> tuple[set[str], dict[str, str]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, failed = puller.take_finished()
-        if done or failed:
-            return done, failed
-        time.sleep(0.001)
-    raise AssertionError("the pull neither finished nor failed")
+def wait_for(puller: NcclBlockPuller) -> tuple[set[str], dict[str, str]]:
+    return wait_for_pull(puller, timeout=60.0, interval=0.001)  # (fine-grained: the transfer is timed)
 
 
 def caches(device: str, dtype: torch.dtype, fill: bool) -> list[torch.Tensor]:

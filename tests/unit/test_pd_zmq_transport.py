@@ -13,6 +13,7 @@ import torch
 from minivllm.worker.kv_connector import pd_nccl_transport
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob
+from tests.pd_procs import wait_for_pull as wait_for
 from tests.server_procs import free_port
 
 TRANSPORTS = {"zmq": (KVBlockServer, KVBlockPuller), "p2p": (NcclBlockServer, NcclBlockPuller)}
@@ -22,17 +23,8 @@ TRANSPORTS = {"zmq": (KVBlockServer, KVBlockPuller), "p2p": (NcclBlockServer, Nc
 def transport(request) -> tuple[type, type]:
     return TRANSPORTS[request.param]
 
+
 SHAPE = (2, 8, 4, 2, 8)  # [K/V, num_blocks, block_size, num_kv_heads, head_dim]
-
-
-def wait_for(puller: KVBlockPuller, timeout: float = 10.0) -> tuple[set[str], dict[str, str]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, failed = puller.take_finished()
-        if done or failed:
-            return done, failed
-        time.sleep(0.01)
-    raise AssertionError("the pull neither finished nor failed")
 
 
 def make_caches(dtype: torch.dtype | str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -26,6 +26,7 @@ connection) and drops it; the request fails with a clear error (consumer) or its
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -189,7 +190,7 @@ class NcclBlockServer(KVBlockServer):
             # The blocks were written by steps already enqueued on the compute stream.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         works: list[dist.Work] = []
-        with torch.cuda.stream(self.stream) if self.cuda else _nullcontext():
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             for chunk, start in enumerate(range(0, num_layers, per_chunk)):
                 layers = self.kv_caches[start:start + per_chunk]
                 buffer = buffers[chunk % len(buffers)][:len(layers)]
@@ -284,19 +285,20 @@ class NcclBlockPuller(KVBlockPuller):
                    for _ in range(min(2, len(starts)))]
         abandoned = lambda: job.req_id in self.cancelled  # noqa: E731
         received = 0
-        with torch.cuda.stream(self.stream) if self.cuda else _nullcontext():
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             works = {}
             for chunk in range(min(2, len(starts))):
                 works[chunk] = self._recv(group, buffers, chunk, starts, num_layers)
             for chunk, start in enumerate(starts):
                 self.completion.wait(works.pop(chunk), f"layer {start} of {num_layers} from {job.address}", abandoned)
                 buffer = buffers[chunk % len(buffers)]
+                layers = self.kv_caches[start:start + per_chunk]
                 with self.scatter_lock:
                     if job.req_id in self.cancelled:
                         raise _Cancelled()
-                    for i, kv_cache in enumerate(self.kv_caches[start:start + per_chunk]):
+                    for i, kv_cache in enumerate(layers):
                         kv_cache.index_copy_(1, index, buffer[i])
-                received += buffer[:len(self.kv_caches[start:start + per_chunk])].numel() * first.element_size()
+                received += buffer[:len(layers)].numel() * first.element_size()
                 if chunk + 2 < len(starts):
                     # Issued after the scatter on this stream: the receive waits for it to read the buffer.
                     works[chunk + 2] = self._recv(group, buffers, chunk + 2, starts, num_layers)
@@ -320,11 +322,3 @@ class NcclBlockPuller(KVBlockPuller):
         for group in self.groups.values():
             abort_group(group)
         self.groups.clear()
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
