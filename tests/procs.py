@@ -20,3 +20,22 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
+
+
+class StartedEngines:
+    """engines(*args, **settings) -> the LLM `start(*args, **settings)` made, started once per
+    distinct settings (for module-scoped fixtures: each engine costs seconds to start)."""
+
+    def __init__(self, start) -> None:
+        self.start = start
+        self.started: dict[tuple, object] = {}
+
+    def __call__(self, *args, **settings):
+        key = (args, repr(sorted(settings.items())))
+        if key not in self.started:
+            self.started[key] = self.start(*args, **settings)
+        return self.started[key]
+
+    def shutdown(self) -> None:
+        for llm in self.started.values():
+            llm.shutdown()

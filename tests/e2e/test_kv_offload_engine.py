@@ -12,6 +12,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.protocol.config import EngineConfig
+from tests.procs import StartedEngines
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BLOCK_SIZE = 4
@@ -33,19 +34,14 @@ PROMPTS = churn_prompts()
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
-    started: dict[tuple, LLM] = {}
+    def start(**kwargs) -> LLM:
+        budget = None if kwargs.get("scheduling_policy") == "v0" else 32
+        return LLM(tiny_llama, block_size=BLOCK_SIZE, skip_tokenizer_init=True, num_gpu_blocks=TINY_CACHE_BLOCKS,
+                   max_num_batched_tokens=budget, **kwargs)
 
-    def get(**kwargs) -> LLM:
-        key = tuple(sorted(kwargs.items()))
-        if key not in started:
-            budget = None if kwargs.get("scheduling_policy") == "v0" else 32
-            started[key] = LLM(tiny_llama, block_size=BLOCK_SIZE, skip_tokenizer_init=True,
-                               num_gpu_blocks=TINY_CACHE_BLOCKS, max_num_batched_tokens=budget, **kwargs)
-        return started[key]
-
-    yield get
-    for llm in started.values():
-        llm.shutdown()
+    engines = StartedEngines(start)
+    yield engines
+    engines.shutdown()
 
 
 @pytest.fixture(scope="module")

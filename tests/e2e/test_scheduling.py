@@ -10,6 +10,7 @@ import time
 import pytest
 
 from minivllm import LLM, SamplingParams
+from tests.procs import StartedEngines
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BLOCK_SIZE = 4
@@ -35,17 +36,10 @@ PROMPT_LENS = [len(p["prompt_token_ids"]) for p in PROMPTS]
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
     """engines(**kwargs) -> an LLM with those settings, started once per module."""
-    started: dict[tuple, LLM] = {}
-
-    def get(**kwargs) -> LLM:
-        key = tuple(sorted(kwargs.items()))
-        if key not in started:
-            started[key] = LLM(tiny_llama, block_size=BLOCK_SIZE, skip_tokenizer_init=True, **kwargs)
-        return started[key]
-
-    yield get
-    for llm in started.values():
-        llm.shutdown()
+    engines = StartedEngines(lambda **kwargs: LLM(tiny_llama, block_size=BLOCK_SIZE, skip_tokenizer_init=True,
+                                                  **kwargs))
+    yield engines
+    engines.shutdown()
 
 
 def tiny_cache_engine(engines, **settings) -> LLM:

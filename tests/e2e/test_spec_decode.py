@@ -10,6 +10,7 @@ import time
 import pytest
 
 from minivllm import LLM, SamplingParams
+from tests.procs import StartedEngines
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -32,17 +33,10 @@ PROMPTS = copy_heavy_prompts()
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
-    started: dict[tuple, LLM] = {}
-
-    def get(model: str = tiny_llama, **kwargs) -> LLM:
-        key = (model, repr(sorted(kwargs.items())))
-        if key not in started:
-            started[key] = LLM(model, block_size=BLOCK_SIZE, skip_tokenizer_init=True, **kwargs)
-        return started[key]
-
-    yield get
-    for llm in started.values():
-        llm.shutdown()
+    engines = StartedEngines(lambda model=tiny_llama, **kwargs: LLM(model, block_size=BLOCK_SIZE,
+                                                                     skip_tokenizer_init=True, **kwargs))
+    yield engines
+    engines.shutdown()
 
 
 @pytest.fixture(scope="module")
