@@ -18,7 +18,6 @@ sent it. The socket is untrusted input: see EngineCoreProc.
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 import os
 import queue
@@ -34,7 +33,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from minivllm.core.executor import WorkerDiedError, make_executor
 from minivllm.core.scheduler import Scheduler
-from minivllm.protocol.auth import HANDSHAKE_FAILED_EVENTS, HANDSHAKE_FAILURES, CurveKeys, check_bind_allowed
+from minivllm.protocol.auth import (
+    HANDSHAKE_FAILED_EVENTS,
+    HANDSHAKE_FAILURES,
+    CurveKeys,
+    check_bind_allowed,
+    start_client_key_authenticator,
+)
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import remove_ipc_file
 from minivllm.protocol.messages import (
@@ -504,17 +509,8 @@ class EngineCoreProc(EngineCore):
         router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         if self.curve_keys is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            allowed = self.curve_keys.client_public
-
-            class _OnlyOurClients:
-                def callback(self, domain: str, key: bytes) -> bool:
-                    return hmac.compare_digest(key, allowed)
-
-            self.authenticator = ThreadAuthenticator(self.ctx, log=logging.getLogger(f"{__name__}.auth"))
-            self.authenticator.start()
-            self.authenticator.configure_curve_callback("*", credentials_provider=_OnlyOurClients())
+            self.authenticator = start_client_key_authenticator(self.ctx, self.curve_keys.client_public,
+                                                                f"{__name__}.auth")
             self.curve_keys.make_server(router)
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
         router.bind(self.address)

@@ -23,7 +23,6 @@ step unanswered after config.execute_model_timeout_seconds becomes a WorkerHungE
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 import subprocess
@@ -33,7 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from minivllm.protocol.auth import CurveKeys
+from minivllm.protocol.auth import CurveKeys, start_client_key_authenticator
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
@@ -95,7 +94,8 @@ class ZmqExecutor:
         if tcp_host is not None:
             self.curve_secret = secrets.token_hex(32)
             keys = CurveKeys(self.curve_secret)
-            self._start_authenticator(keys.client_public)
+            # ZAP: only a peer presenting this executor's client key finishes the CURVE handshake.
+            self.authenticator = start_client_key_authenticator(self.ctx, keys.client_public, f"{__name__}.auth")
         sockets = [self.ctx.socket(zmq.PULL)] + [self.ctx.socket(zmq.PUSH) for _ in range(self.world_size)]
         addresses = []
         for i, sock in enumerate(sockets):
@@ -109,18 +109,6 @@ class ZmqExecutor:
             addresses.append(address)
         self.result_socket, self.work_sockets = sockets[0], sockets[1:]
         self.result_address, self.work_addresses = addresses[0], addresses[1:]
-
-    def _start_authenticator(self, allowed_client_key: bytes) -> None:
-        """ZAP: only a peer presenting this executor's client key finishes the CURVE handshake."""
-        from zmq.auth.thread import ThreadAuthenticator
-
-        class _OnlyOurWorkers:
-            def callback(self, domain: str, key: bytes) -> bool:
-                return hmac.compare_digest(key, allowed_client_key)
-
-        self.authenticator = ThreadAuthenticator(self.ctx, log=logging.getLogger(f"{__name__}.auth"))
-        self.authenticator.start()
-        self.authenticator.configure_curve_callback("*", credentials_provider=_OnlyOurWorkers())
 
     def stage_note(self, rank: int) -> str:
         """", pipeline stage 1" (and ", TP rank 1") for a worker's description; "" without PP."""

@@ -61,6 +61,24 @@ class CurveKeys:
         socket.curve_serverkey = self.server_public
 
 
+def start_client_key_authenticator(ctx: zmq.Context, allowed_client_key: bytes, log_name: str):
+    """ZAP on `ctx`: a CURVE handshake completes only for a peer presenting this client public key
+    (holding the secret is not enough to be any client: it must be ours). Stop it on shutdown."""
+    import hmac
+    import logging
+
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class _OnlyThisClient:
+        def callback(self, domain: str, key: bytes) -> bool:
+            return hmac.compare_digest(key, allowed_client_key)
+
+    authenticator = ThreadAuthenticator(ctx, log=logging.getLogger(log_name))
+    authenticator.start()
+    authenticator.configure_curve_callback("*", credentials_provider=_OnlyThisClient())
+    return authenticator
+
+
 def read_engine_key_file(path: str) -> str:
     """The secret in a key file (surrounding whitespace dropped). A file other users can read is
     refused: the secret would not be one."""
