@@ -37,8 +37,8 @@ KV_TRANSFER_STATS_ENV = "MINIVLLM_KV_TRANSFER_STATS"
 class PDConnectorWorker(KVConnectorWorkerBase):
     metadata_type: ClassVar[type] = PDConnectorMetadata
     poll_interval_s: ClassVar[float] = 0.002
-    # The transport's two halves (pd_nccl_transport has the GPU-to-GPU ones).
-    server_class: ClassVar[type[KVBlockServer]] = KVBlockServer
+    # The transport's consumer half (pd_nccl_transport has the GPU-to-GPU one); make_server makes
+    # the producer half.
     puller_class: ClassVar[type[KVBlockPuller]] = KVBlockPuller
 
     def __init__(self, config: EngineConfig, rank: int, device: torch.device) -> None:
@@ -67,7 +67,7 @@ class PDConnectorWorker(KVConnectorWorkerBase):
             self.puller = self.puller_class(kv_caches, self.pull_timeout_s)
 
     def make_server(self, kv_caches: list[torch.Tensor]) -> KVBlockServer:
-        return self.server_class(kv_caches, self.host, self.port + self.rank, self.hold_timeout_s)
+        return KVBlockServer(kv_caches, self.host, self.port + self.rank, self.hold_timeout_s)
 
     def handle_preemptions(self) -> None:
         # The scheduler gave up on these (its transfer timeout) and freed their blocks in this step:
@@ -126,7 +126,6 @@ class P2pNcclConnectorWorker(PDConnectorWorker):
     """The same protocol with the blocks moving device to device (pd_nccl_transport): NCCL between
     GPUs, gloo between CPU instances. The scheduler side is the ZmqTcpConnector's."""
 
-    server_class: ClassVar[type[KVBlockServer]] = NcclBlockServer
     puller_class: ClassVar[type[KVBlockPuller]] = NcclBlockPuller
 
     def make_server(self, kv_caches: list[torch.Tensor]) -> KVBlockServer:
