@@ -11,7 +11,13 @@ Greedy outputs must be identical with and without speculation; the script checks
   python benchmarks/spec_decode.py --smoke                       # CPU, a tiny random model, seconds
   python benchmarks/spec_decode.py --model DIR                   # n-gram vs none
   python benchmarks/spec_decode.py --model DIR --draft-model DIR2  # and a draft model
+  python benchmarks/spec_decode.py --model DIR --draft-layers 8    # draft: DIR's first 8 layers
   python benchmarks/spec_decode.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --tokenizer SMOLLM2_DIR
+
+--draft-layers N drafts with the target's own first N layers (and its final norm and LM head), a
+real draft model of the same vocabulary made from the one real checkpoint at hand (early exit, as
+in LayerSkip's self-speculation). --batch-sizes 1,8,16,32,64 --disable-by-batch-size 1000 keeps
+speculation on at every batch size, to find where it stops paying (disable_by_batch_size).
 
 With random (dummy) weights the outputs are not copies of anything, so n-gram acceptance there
 only measures the cost of speculating; real acceptance needs real weights (SmolLM2:
@@ -58,6 +64,38 @@ def build_prompts(num: int) -> list[str]:
     return [TASKS[i % len(TASKS)].format(p=p) for i, p in enumerate(passages(num))]
 
 
+def truncated_model(model_dir: str, num_layers: int, out_dir: str) -> str:
+    """A copy of `model_dir` keeping only its first `num_layers` decoder layers."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(model_dir):
+        if not name.endswith(".safetensors") and os.path.isfile(os.path.join(model_dir, name)) \
+                and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(model_dir, name), out_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    if not 0 < num_layers < config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers must be in [1, {config['num_hidden_layers'] - 1}]")
+    config["num_hidden_layers"] = num_layers
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    weights = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(model_dir, name)))
+    keep = {}
+    for key, tensor in weights.items():
+        parts = key.split(".")
+        layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+        if layer < num_layers:
+            keep[key] = tensor
+    save_file(keep, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 def run_setting(llm, prompts: list, params, batch: int) -> tuple[list[list[int]], float]:
     """Run prompts `batch` at a time; returns the token ids and the mean time per output token."""
     tokens, tpots = [], []
@@ -78,6 +116,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="tokenizer directory, when the model directory has none "
                         "(benchmarks/configs/*: e.g. SmolLM2's; its ids fit any larger vocabulary)")
     parser.add_argument("--draft-model", help="a draft model directory (same vocabulary) to compare too")
+    parser.add_argument("--draft-layers", type=int, help="draft with the target's first N layers")
+    parser.add_argument("--disable-by-batch-size", type=int, help="speculate only up to this many running requests")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
@@ -113,9 +153,16 @@ def main() -> None:
     settings = {"none": None,
                 "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.prompt_lookup_min,
                           "prompt_lookup_max": args.prompt_lookup_max}}
+    if args.draft_layers:
+        draft_dir = truncated_model(args.model, args.draft_layers, tempfile.mkdtemp(prefix="draft-layers-"))
+        settings[f"draft_{args.draft_layers}_layers"] = {"method": "draft_model", "model": draft_dir,
+                                                         "num_speculative_tokens": k}
     if args.draft_model:
         settings["draft_model"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k}
 
+    for spec in settings.values():
+        if spec is not None and args.disable_by_batch_size:
+            spec["disable_by_batch_size"] = args.disable_by_batch_size
     results = {}
     reference: dict[int, list[list[int]]] = {}
     for name, spec in settings.items():
@@ -144,7 +191,7 @@ def main() -> None:
                 base = results.get("none", {}).get(batch)
                 speedup = base["tpot_ms"] / row["tpot_ms"] if base and name != "none" else None
                 row["speedup"] = speedup
-                print(f"{name:12s} batch {batch:3d}: {row['tpot_ms']:7.2f} ms/token"
+                print(f"{name:16s} batch {batch:3d}: {row['tpot_ms']:7.2f} ms/token"
                       + (f", {speedup:.2f}x" if speedup else "")
                       + (f", acceptance {row['acceptance_rate']:.1%}, mean acceptance length "
                          f"{row['mean_acceptance_length']:.2f}" if drafts else "")

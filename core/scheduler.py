@@ -47,7 +47,7 @@ from minivllm.core.block_pool import KVCacheBlock
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.kv_connector import make_scheduler_connector
 from minivllm.core.request import Request, RequestStatus
-from minivllm.protocol.config import DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE, EngineConfig
+from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from minivllm.protocol.messages import (
     CachedRequestData,
@@ -191,7 +191,7 @@ class Scheduler:
         # for them are allocated with the step (vLLM's lookahead slots).
         self.num_lookahead_tokens = 0
         if spec is not None:
-            self.spec_disable_by_batch_size = spec.disable_by_batch_size or DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+            self.spec_disable_by_batch_size = spec.max_speculating_batch
             self.num_lookahead_tokens = self.num_spec_tokens if spec.method == "draft_model" else 0
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0

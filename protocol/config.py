@@ -69,6 +69,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
     # DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE. Above it a verify step costs more than it saves.
     disable_by_batch_size: int | None = None
 
+    @property
+    def max_speculating_batch(self) -> int:
+        """The most running requests at which speculation still runs."""
+        return self.disable_by_batch_size or DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     # model

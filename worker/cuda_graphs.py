@@ -9,7 +9,11 @@ them to its bucket and replays one graph:
   decode buckets: n requests of one token each, n in 1, 2, 4, 8, 16, 32, ... max_num_seqs;
   mixed buckets:  up to T tokens of up to max_num_seqs requests, T in 256, 512, ... up to
                   max_num_batched_tokens (attention's grid depends on both counts, so both are
-                  padded: the sequence count always to max_num_seqs + 1).
+                  padded: the sequence count always to max_num_seqs + 1);
+  verify buckets: with speculative decoding, n requests of up to 1 + k tokens each (k drafts),
+                  n in the decode sizes up to the batch size speculation runs at: n * (1 + k)
+                  tokens and n + 1 sequences. Without them a batch-1 verify step of 1 + k tokens
+                  would replay the 256-token mixed graph.
 
 Padding is made harmless on the host: padded tokens have position 0 and slot -1 (nothing is
 written to the cache) and belong to sequences of length 0 (nothing is read, the output is 0).
@@ -108,11 +112,16 @@ class StepGraphs:
     """One captured forward per bucket; `run(step)` replays the smallest bucket that holds it."""
 
     def __init__(self, forward: Forward, buffers: StepBuffers, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, verify_query_len: int = 0, max_verify_seqs: int = 0) -> None:
         self.buffers = buffers
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = decode_buckets(max_num_seqs)
         self.mixed_buckets = mixed_buckets(max_num_batched_tokens)
+        # Verify buckets (speculative decoding): only where a mixed bucket would be much larger.
+        self.verify_query_len = verify_query_len
+        self.verify_buckets = [] if verify_query_len < 2 else [
+            n for n in decode_buckets(min(max_verify_seqs, max_num_seqs))
+            if n * verify_query_len < self.mixed_buckets[0] and n * verify_query_len <= max_num_batched_tokens]
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = None
@@ -120,6 +129,9 @@ class StepGraphs:
         for tokens in reversed(self.mixed_buckets):
             self._capture(forward, ("mixed", tokens), tokens, max_num_seqs + 1, max_query_len=tokens,
                           max_seq_len=max_model_len)
+        for seqs in reversed(self.verify_buckets):
+            self._capture(forward, ("verify", seqs), seqs * verify_query_len, seqs + 1,
+                          max_query_len=verify_query_len, max_seq_len=max_model_len)
         self.long_decode_buckets = [b for b in self.decode_buckets if b <= DECODE_LONG_CONTEXT_MAX_SEQS] \
             if max_model_len > DECODE_LONG_CONTEXT else []
         for seqs in reversed(self.long_decode_buckets):
@@ -128,8 +140,10 @@ class StepGraphs:
             self._capture(forward, ("decode", seqs), seqs, seqs, max_query_len=1,
                           max_seq_len=min(max_model_len, DECODE_LONG_CONTEXT))
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs: decode batch sizes %s (and %s over contexts > %d); mixed token counts %s",
-                    self.decode_buckets, self.long_decode_buckets, DECODE_LONG_CONTEXT, self.mixed_buckets)
+        logger.info("captured CUDA graphs: decode batch sizes %s (and %s over contexts > %d); mixed token counts %s%s",
+                    self.decode_buckets, self.long_decode_buckets, DECODE_LONG_CONTEXT, self.mixed_buckets,
+                    f"; verify batch sizes {self.verify_buckets} of {verify_query_len} tokens"
+                    if self.verify_buckets else "")
 
     def _capture(self, forward: Forward, key: tuple[str, int], num_tokens: int, num_seqs: int,
                  max_query_len: int, max_seq_len: int) -> None:
@@ -147,22 +161,66 @@ class StepGraphs:
         self.pool = graph.pool()
         self.graphs[key] = graph
 
+    def bucket(self, step: StepInputs) -> tuple[tuple[str, int], int, int]:
+        """The graph that would hold `step` (its key: kind and size; size 0 when none is large
+        enough), and the token and sequence counts the step is padded to for it."""
+        num_seqs = len(step.req_ids)
+        if step.max_query_len == 1:
+            size = next((b for b in self.decode_buckets if b >= num_seqs), 0)
+            long = step.max_seq_len > DECODE_LONG_CONTEXT and size in self.long_decode_buckets
+            return ("decode-long" if long else "decode", size), size, size
+        if step.max_query_len <= self.verify_query_len:  # every sequence fits a verify bucket's share
+            size = next((b for b in self.verify_buckets if b >= num_seqs), 0)
+            if size:
+                return ("verify", size), size * self.verify_query_len, size + 1
+        size = next((b for b in self.mixed_buckets if b >= step.num_tokens), 0)
+        return ("mixed", size), size, self.max_num_seqs + 1
+
     def run(self, step: StepInputs, before_replay: Callable[[], None] | None = None) -> torch.Tensor | None:
         """The step's hidden states through a graph, or None when no bucket holds it.
         `before_replay` runs once the inputs are in the buffers (to patch them on the device)."""
-        num_seqs, num_tokens = len(step.req_ids), step.num_tokens
-        if step.max_query_len == 1:
-            bucket = next((b for b in self.decode_buckets if b >= num_seqs), 0)
-            key = ("decode-long" if step.max_seq_len > DECODE_LONG_CONTEXT and bucket in self.long_decode_buckets
-                   else "decode", bucket)
-            padded_seqs = bucket
-        else:
-            key = ("mixed", next((b for b in self.mixed_buckets if b >= num_tokens), 0))
-            padded_seqs = self.max_num_seqs + 1
+        key, padded_tokens, padded_seqs = self.bucket(step)
         if key not in self.graphs:
             return None
-        self.buffers.load(step, padded_tokens=key[1], padded_seqs=padded_seqs)
+        self.buffers.load(step, padded_tokens=padded_tokens, padded_seqs=padded_seqs)
         if before_replay is not None:
             before_replay()
         self.graphs[key].replay()
-        return self.outputs[key][:num_tokens]
+        return self.outputs[key][: step.num_tokens]
+
+
+def host_metadata(step: StepInputs, kv_layout: KVCacheLayout) -> AttentionMetadata:
+    """A step's attention metadata straight from its host arrays (CPU: no persistent buffers)."""
+    return AttentionMetadata(
+        query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)),
+        seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)),
+        block_tables=torch.from_numpy(np.ascontiguousarray(step.block_table)),
+        slot_mapping=torch.from_numpy(step.slot_mapping),
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
+        kv_layout=kv_layout,
+    )
+
+
+def run_forward(forward: Forward, step: StepInputs, buffers: StepBuffers | None, graphs: StepGraphs | None,
+                kv_layout: KVCacheLayout, patch_input_ids: Callable[[torch.Tensor], None] | None = None,
+                ) -> torch.Tensor:
+    """One forward pass over a step: a captured graph when one fits it, else eager from the
+    persistent buffers (CUDA) or the host arrays (CPU). `patch_input_ids` may overwrite input ids
+    in place once they are loaded (ids that are still on the device)."""
+    if buffers is None:
+        input_ids = torch.from_numpy(step.input_ids)
+        if patch_input_ids is not None:
+            patch_input_ids(input_ids)
+        return forward(input_ids, torch.from_numpy(step.positions), host_metadata(step, kv_layout))
+    num_tokens = step.num_tokens
+    patch = None if patch_input_ids is None else (lambda: patch_input_ids(buffers.input_ids[:num_tokens]))
+    if graphs is not None:
+        hidden_states = graphs.run(step, before_replay=patch)
+        if hidden_states is not None:
+            return hidden_states
+    metadata = buffers.load(step)
+    if patch is not None:
+        patch()
+    return forward(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens], metadata)
+

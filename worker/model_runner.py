@@ -31,7 +31,7 @@ from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
-from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs
+from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs, run_forward
 from minivllm.worker.input_batch import InputBatch, StepInputs
 from minivllm.worker.kv_connector import make_kv_connector_driver
 from minivllm.worker.logits_processors import apply_logits_processors
@@ -236,8 +236,11 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(self.kv_caches)
         if self.device.type == "cuda" and not self.config.enforce_eager and self.stage is None:  # PP: eager
             with torch.inference_mode():
-                self.graphs = StepGraphs(self._forward, self.buffers, self.config.max_num_seqs,
-                                         self.config.max_num_batched_tokens, self.config.max_model_len)
+                spec = self.config.speculative_config
+                self.graphs = StepGraphs(
+                    self._forward, self.buffers, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                    self.config.max_model_len, verify_query_len=spec.num_speculative_tokens + 1 if spec else 0,
+                    max_verify_seqs=spec.max_speculating_batch if spec else 0)
 
     # ------------------------------------------------------------ one step
 
@@ -339,28 +342,8 @@ class ModelRunner:
 
     def _run_model(self, step: StepInputs) -> torch.Tensor:
         """One forward pass: a captured graph when one fits the step, else eager."""
-        if self.buffers is None:  # CPU: the host arrays are the inputs
-            metadata = AttentionMetadata(
-                query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)),
-                seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)),
-                block_tables=torch.from_numpy(step.block_table),
-                slot_mapping=torch.from_numpy(step.slot_mapping),
-                max_query_len=step.max_query_len,
-                max_seq_len=step.max_seq_len,
-                kv_layout=self.kv_layout,
-            )
-            input_ids = torch.from_numpy(step.input_ids)
-            self._patch_pending_inputs(step, input_ids)
-            return self._forward(input_ids, torch.from_numpy(step.positions), metadata)
-        if self.graphs is not None:
-            hidden_states = self.graphs.run(
-                step, before_replay=lambda: self._patch_pending_inputs(step, self.buffers.input_ids))
-            if hidden_states is not None:
-                return hidden_states
-        metadata = self.buffers.load(step)
-        num_tokens = step.num_tokens
-        self._patch_pending_inputs(step, self.buffers.input_ids)
-        return self._forward(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens], metadata)
+        return run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout,
+                           patch_input_ids=lambda input_ids: self._patch_pending_inputs(step, input_ids))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

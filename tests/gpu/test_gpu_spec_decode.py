@@ -1,6 +1,6 @@
 """Speculative decoding on CUDA (fp32, so greedy ties cannot flip): n-gram and draft-model greedy
 outputs equal the CPU reference without speculation, with CUDA graphs (verify steps through the
-mixed-step graphs) and overlapped outputs between non-speculating steps."""
+verify graphs, the draft model's steps through its own) and overlapped outputs between non-speculating steps."""
 
 from __future__ import annotations
 

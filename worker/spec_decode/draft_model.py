@@ -10,8 +10,10 @@ forward per draft, writing their K/V into the lookahead slots the scheduler allo
 step (see Scheduler.num_lookahead_tokens). Greedy drafts are one-hot, which the verification of
 rejection_sampler.verify_against_samples keeps exact for sampled requests too.
 
-Runs eagerly (no CUDA graphs); overlapped outputs are off with a draft model (every step's input
-ids must be on the host for the catch-up forward).
+On CUDA both forwards replay CUDA graphs of the draft model's own (worker/cuda_graphs.py: the
+target's buckets, verify ones included), and the k drafts stay on the device between the draft
+steps: one device->host copy per step brings all of them over. Overlapped outputs are off with a
+draft model (every step's input ids must be on the host for the catch-up forward).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from minivllm.protocol.config import EngineConfig
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs, run_forward
 from minivllm.worker.input_batch import StepInputs
 from minivllm.worker.models.loader import describe, load_model
 
@@ -51,6 +54,13 @@ class DraftModelRunner:
         self.kv_layout = KVCacheLayout(config.block_size, self.model.num_kv_heads, self.model.head_dim, runner.dtype,
                                        fp8=config.kv_cache_dtype != "auto")
         self.kv_caches: list[torch.Tensor] = []
+        self.config = config
+        self.buffers: StepBuffers | None = None  # CUDA: persistent inputs of its own (its own KV layout)
+        if runner.buffers is not None:
+            self.buffers = StepBuffers(len(runner.buffers.input_ids), config.max_num_seqs,
+                                       runner.input_batch.max_blocks_per_req, self.device)
+            self.buffers.kv_layout = self.kv_layout
+        self.graphs: StepGraphs | None = None
         runner.overlap_outputs = False
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -58,26 +68,27 @@ class DraftModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.kv_caches = [self.kv_layout.allocate(num_blocks, self.device) for _ in range(self.model.num_layers)]
+        config = self.config
+        if self.buffers is not None and not config.enforce_eager:
+            with torch.inference_mode():
+                self.graphs = StepGraphs(self._forward, self.buffers, config.max_num_seqs,
+                                         config.max_num_batched_tokens, config.max_model_len,
+                                         verify_query_len=self.k + 1,
+                                         max_verify_seqs=config.speculative_config.max_speculating_batch)
 
-    def _metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-                  slot_mapping: np.ndarray, max_query_len: int) -> AttentionMetadata:
-        to = lambda array, dtype=None: torch.from_numpy(  # noqa: E731
-            array if dtype is None else array.astype(dtype)).to(self.device, non_blocking=True)
-        return AttentionMetadata(
-            query_start_loc=to(query_start_loc, np.int32), seq_lens=to(seq_lens, np.int32),
-            block_tables=to(np.ascontiguousarray(block_table)), slot_mapping=to(slot_mapping, np.int64),
-            max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), kv_layout=self.kv_layout)
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, metadata)
+
+    def _run(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft model's hidden states over a step; `input_ids` (on the device) replace the step's."""
+        patch = None if input_ids is None else (lambda ids: ids.copy_(input_ids))
+        return run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout, patch_input_ids=patch)
 
     @torch.inference_mode()
     def catch_up(self, step: StepInputs) -> None:
         """Run this step's tokens through the draft model too (only its KV is kept)."""
-        if not self.kv_caches:
-            return
-        metadata = self._metadata(step.query_start_loc, step.seq_lens, step.block_table, step.slot_mapping,
-                                  step.max_query_len)
-        input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
-        positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
-        self.model(input_ids, positions, self.kv_caches, metadata)
+        if self.kv_caches:
+            self._run(step)
 
     @torch.inference_mode()
     def propose(self, step: StepInputs, rows: np.ndarray) -> list[list[int]]:
@@ -92,24 +103,66 @@ class DraftModelRunner:
         budget[~batch.can_speculate[rows]] = 0
         proposals: list[list[int]] = [[] for _ in rows]
         active = np.flatnonzero(budget > 0)
-        last_tokens = batch.token_ids[rows[active], num_tokens[active] - 1]
+        # The drafts stay on the device from one draft step to the next (the input ids of the next).
+        last_tokens = torch.from_numpy(batch.token_ids[rows[active], num_tokens[active] - 1]).to(self.device)
+        steps: list[tuple[np.ndarray, torch.Tensor]] = []  # (the requests drafting, their drafts) per step
         for j in range(self.k):
-            active_keep = budget[active] > j
-            active, last_tokens = active[active_keep], last_tokens[active_keep]
+            keep = budget[active] > j
+            if not keep.all():
+                active = active[keep]
+                last_tokens = last_tokens[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
             if not len(active):
                 break
             active_rows = rows[active]
             positions = num_tokens[active] - 1 + j
-            slot_mapping = (batch.block_table[active_rows, positions // self.block_size].astype(np.int64)
-                            * self.block_size + positions % self.block_size)
             seq_lens = positions + 1
             num_columns = -(-int(seq_lens.max()) // self.block_size)
-            metadata = self._metadata(np.arange(len(active) + 1), seq_lens, batch.block_table[active_rows, :num_columns],
-                                      slot_mapping, 1)
-            hidden = self.model(torch.from_numpy(np.ascontiguousarray(last_tokens)).to(self.device),
-                                torch.from_numpy(positions).to(self.device), self.kv_caches, metadata)
-            drafts = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
-            for i, token in zip(active.tolist(), drafts.tolist()):
-                proposals[i].append(token)
-            last_tokens = drafts
+            step = StepInputs(
+                req_ids=[""] * len(active), input_ids=np.zeros(len(active), dtype=np.int64), positions=positions,
+                slot_mapping=(batch.block_table[active_rows, positions // self.block_size].astype(np.int64)
+                              * self.block_size + positions % self.block_size),
+                query_start_loc=np.arange(len(active) + 1), seq_lens=seq_lens,
+                block_table=batch.block_table[active_rows, :num_columns], logits_indices=np.arange(len(active)),
+                sampling_req_index=np.arange(len(active)), sampling_rows=active_rows, max_query_len=1,
+                max_seq_len=int(seq_lens.max()))
+            last_tokens = self.model.compute_logits(self._run(step, input_ids=last_tokens)).argmax(dim=-1)
+            steps.append((active, last_tokens))
+        if steps:
+            drafts = torch.cat([tokens for _, tokens in steps]).tolist()  # the one device->host sync
+            at = 0
+            for drafting, _ in steps:
+                for i, token in zip(drafting.tolist(), drafts[at:at + len(drafting)]):
+                    proposals[i].append(token)
+                at += len(drafting)
+        return proposals
+        # Every active request runs all k draft steps (a request with less room has its extra
+        # drafts dropped below, and their K/V goes nowhere: slot -1), so each draft step is one
+        # batch of the same shape and its input ids are the previous step's output, on the device.
+        active_rows = rows[active]
+        last_tokens = torch.from_numpy(batch.token_ids[active_rows, num_tokens[active] - 1]).to(self.device)
+        drafts = []
+        for j in range(int(budget[active].max())):
+            positions = num_tokens[active] - 1 + j
+            in_room = j < budget[active]
+            # (Past a request's room its position is clamped: the slot is -1, and the block-table
+            # column read stays inside the table.)
+            positions = np.where(in_room, positions, num_tokens[active] - 1)
+            slot_mapping = np.where(
+                in_room,
+                batch.block_table[active_rows, positions // self.block_size].astype(np.int64) * self.block_size
+                + positions % self.block_size, -1)
+            seq_lens = positions + 1
+            num_columns = -(-int(seq_lens.max()) // self.block_size)
+            step = StepInputs(
+                req_ids=[""] * len(active), input_ids=np.zeros(len(active), dtype=np.int64), positions=positions,
+                slot_mapping=slot_mapping, query_start_loc=np.arange(len(active) + 1), seq_lens=seq_lens,
+                block_table=batch.block_table[active_rows, :num_columns], logits_indices=np.arange(len(active)),
+                sampling_req_index=np.arange(len(active)), sampling_rows=active_rows, max_query_len=1,
+                max_seq_len=int(seq_lens.max()))
+            hidden = self._run(step, input_ids=last_tokens)
+            last_tokens = self.model.compute_logits(hidden[: len(active)]).argmax(dim=-1)
+            drafts.append(last_tokens)
+        drafts_host = torch.stack(drafts, dim=1).tolist()  # [active, steps]: the one sync
+        for i, row_drafts in zip(active.tolist(), drafts_host):
+            proposals[i] = row_drafts[: int(budget[i])]
         return proposals

@@ -1,0 +1,72 @@
+"""Verify-step CUDA graphs (speculative decoding): a step of a few requests of up to 1 + k tokens
+each replays a verify graph of its own size, padded, and gives what the eager forward gives; a
+step with a longer chunk still goes to a mixed graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm.worker.attention.kv_cache import KVCacheLayout
+from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs
+from minivllm.worker.input_batch import StepInputs
+
+pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
+from minivllm.worker.attention.triton_attention import TritonAttentionBackend  # noqa: E402
+
+BLOCK, HEADS, KV_HEADS, HEAD_DIM, MAX_BLOCKS, VOCAB = 16, 4, 2, 64, 8, 100
+K = 3  # drafts per request: verify steps of up to 4 tokens a request
+
+
+def make_step(contexts: list[int], query_lens: list[int], block_table: np.ndarray) -> StepInputs:
+    n = len(contexts)
+    query_start_loc = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    token_req = np.repeat(np.arange(n), query_lens)
+    positions = np.arange(query_start_loc[-1]) - query_start_loc[token_req] + np.asarray(contexts)[token_req]
+    seq_lens = np.asarray(contexts) + np.asarray(query_lens)
+    return StepInputs(
+        req_ids=[str(i) for i in range(n)],
+        input_ids=np.random.default_rng(sum(contexts) + n).integers(0, VOCAB, int(query_start_loc[-1])),
+        positions=positions,
+        slot_mapping=block_table[token_req, positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table[:n],
+        logits_indices=query_start_loc[1:] - 1, sampling_req_index=np.arange(n), sampling_rows=np.arange(n),
+        max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()))
+
+
+def test_verify_steps_replay_verify_graphs_and_equal_eager() -> None:
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
+    cache = layout.allocate(8 * MAX_BLOCKS, device)
+    block_table = np.arange(8 * MAX_BLOCKS, dtype=np.int32).reshape(8, MAX_BLOCKS)[::-1].copy()
+    embedding = torch.randn(VOCAB, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=device)
+    backend = TritonAttentionBackend()
+
+    def forward(input_ids, positions, metadata):  # one attention layer over the paged cache
+        q, k, v = embedding[input_ids].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        return backend.forward(q.reshape(-1, HEADS, HEAD_DIM).contiguous(), k.reshape(-1, KV_HEADS, HEAD_DIM).contiguous(),
+                               v.reshape(-1, KV_HEADS, HEAD_DIM).contiguous(), cache, metadata, HEAD_DIM ** -0.5)
+
+    buffers = StepBuffers(512, 8, MAX_BLOCKS, device)
+    buffers.kv_layout = layout
+    graphs = StepGraphs(forward, buffers, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=MAX_BLOCKS * BLOCK,
+                        verify_query_len=K + 1, max_verify_seqs=4)
+    assert graphs.verify_buckets == [1, 2, 4]
+
+    def eager(step: StepInputs) -> torch.Tensor:
+        metadata = buffers.load(step)
+        return forward(buffers.input_ids[: step.num_tokens], buffers.positions[: step.num_tokens], metadata).clone()
+
+    contexts = [37, 20, 5]
+    eager(make_step([0, 0, 0], contexts, block_table))  # their prompts into the cache
+    cases = [([4, 1, 3], ("verify", 4)), ([4], ("verify", 1)), ([2, 2], ("verify", 2)), ([5, 1, 1], ("mixed", 256))]
+    for query_lens, expected_key in cases:
+        step = make_step(contexts[: len(query_lens)], query_lens, block_table)
+        assert graphs.bucket(step)[0] == expected_key
+        expected = eager(step)
+        replayed = graphs.run(step)
+        assert replayed is not None and replayed.shape == expected.shape
+        torch.testing.assert_close(replayed, expected)
