@@ -116,7 +116,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="tokenizer directory, when the model directory has none "
                         "(benchmarks/configs/*: e.g. SmolLM2's; its ids fit any larger vocabulary)")
     parser.add_argument("--draft-model", help="a draft model directory (same vocabulary) to compare too")
-    parser.add_argument("--draft-layers", type=int, help="draft with the target's first N layers")
+    parser.add_argument("--dtype", default="auto", help="e.g. float32: greedy identity without bf16 ties")
+    parser.add_argument("--only", help="comma-separated settings to run (none, ngram, draft_N_layers, draft_model)")
+    parser.add_argument("--draft-layers", help="draft with the target's first N layers (comma-separated: several drafts)")
     parser.add_argument("--disable-by-batch-size", type=int, help="speculate only up to this many running requests")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -153,20 +155,21 @@ def main() -> None:
     settings = {"none": None,
                 "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.prompt_lookup_min,
                           "prompt_lookup_max": args.prompt_lookup_max}}
-    if args.draft_layers:
-        draft_dir = truncated_model(args.model, args.draft_layers, tempfile.mkdtemp(prefix="draft-layers-"))
-        settings[f"draft_{args.draft_layers}_layers"] = {"method": "draft_model", "model": draft_dir,
-                                                         "num_speculative_tokens": k}
+    for layers in map(int, args.draft_layers.split(",") if args.draft_layers else []):
+        draft_dir = truncated_model(args.model, layers, tempfile.mkdtemp(prefix="draft-layers-"))
+        settings[f"draft_{layers}_layers"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
     if args.draft_model:
         settings["draft_model"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k}
 
+    if args.only:
+        settings = {name: spec for name, spec in settings.items() if name in args.only.split(",")}
     for spec in settings.values():
         if spec is not None and args.disable_by_batch_size:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
     results = {}
     reference: dict[int, list[list[int]]] = {}
     for name, spec in settings.items():
-        llm = LLM(args.model, tokenizer=args.tokenizer, load_format=args.load_format, max_model_len=args.max_model_len,
+        llm = LLM(args.model, tokenizer=args.tokenizer, load_format=args.load_format, max_model_len=args.max_model_len, dtype=args.dtype,
                   skip_tokenizer_init=skip_tokenizer, speculative_config=spec)
         try:
             run_setting(llm, prompts[:2], params, 2)  # warm-up (compilation, graphs, caches)

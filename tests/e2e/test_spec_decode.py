@@ -77,6 +77,21 @@ def test_ngram_greedy_is_token_identical(engines, reference, settings) -> None:
             assert sum(o.num_cached_tokens for o in again) > 0
 
 
+def test_speculation_steps_aside_above_disable_by_batch_size(engines) -> None:
+    """Requests of different lengths: the batch shrinks from 6 to 1, so with disable_by_batch_size=3
+    steps with and without speculation alternate (overlapped outputs between the latter on CUDA);
+    the tokens stay those of no speculation, and fewer drafts run than with speculation always on."""
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    expected = token_ids(engines().generate(PROMPTS, params, use_tqdm=False))
+    drafts = {}
+    for limit in (3, None):
+        llm = engines(speculative_config=dict(NGRAM, disable_by_batch_size=limit))
+        before = spec_counters(llm)
+        assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == expected
+        drafts[limit] = spec_counters(llm)[0] - before[0]
+    assert 0 < drafts[3] < drafts[None]
+
+
 def test_mixed_batch_with_logprobs_penalties_and_stops(engines) -> None:
     """Requests that cannot speculate (logprobs, penalties) share steps with ones that do; stop
     tokens and max_tokens cut accepted drafts exactly where they would without speculation."""

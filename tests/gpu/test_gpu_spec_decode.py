@@ -8,7 +8,9 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+# Lengths 12..54: the batch shrinks from 8 requests to 1, so a disable_by_batch_size of 4 sees
+# steps where speculation steps aside and steps where it runs.
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=12 + 6 * i, ignore_eos=True) for i in range(8)]
 PROMPTS = [{"prompt_token_ids": ([3 + i, 17, 29, 41, 53, 67] * 8)[: 20 + 5 * i]} for i in range(8)]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
