@@ -1,7 +1,11 @@
-"""Process helpers for tests: is a pid alive (zombies count as gone), wait for it to go."""
+"""Process helpers for tests: is a pid alive (zombies count as gone), wait for it to go, kill one
+in the middle of a long generate."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 
@@ -20,6 +24,23 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
+
+
+def kill_during_generate(llm, victim_pid: int, match: str, *, num_requests: int = 32, max_tokens: int = 400,
+                         delay: float = 1.0, within: float = 15.0) -> None:
+    """SIGKILL `victim_pid` `delay` seconds into a generate of many long requests (it must still be
+    running then): the generate must raise EngineDeadError matching `match` within `within` s."""
+    import pytest
+
+    from minivllm import SamplingParams
+    from minivllm.frontend.core_client import EngineDeadError
+
+    long_job = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    threading.Timer(delay, os.kill, (victim_pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=match):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_requests, long_job, use_tqdm=False)
+    assert time.monotonic() - start < within
 
 
 class StartedEngines:

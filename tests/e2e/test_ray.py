@@ -9,8 +9,6 @@ One cluster for the module (starting Ray costs seconds). Skipped when Ray is not
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 
 import pytest
@@ -18,8 +16,8 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from minivllm import LLM, EngineDeadError, SamplingParams  # noqa: E402
-from tests.procs import wait_gone  # noqa: E402
+from minivllm import LLM, SamplingParams  # noqa: E402
+from tests.procs import kill_during_generate, wait_gone  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [(5 * i + j) % 400 + 1 for j in range(n)]} for i, n in enumerate([1, 7, 23, 40])]
@@ -110,11 +108,6 @@ def test_killed_actor_is_engine_dead_naming_rank_and_node(ray_cluster, tiny_llam
     pids = [llm.engine_info.engine_pid, *llm.engine_info.worker_pids]
     victim_pid = llm.engine_info.worker_pids[victim]
     node_ip = ray.util.get_node_ip_address()  # both simulated nodes share this host's address
-    long_job = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    threading.Timer(1.0, os.kill, (victim_pid, signal.SIGKILL)).start()
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError, match=f"worker {victim} \\(Ray actor, pid {victim_pid}\\) on node {node_ip}"):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 32, long_job, use_tqdm=False)
-    assert time.monotonic() - start < 15
+    kill_during_generate(llm, victim_pid, f"worker {victim} \\(Ray actor, pid {victim_pid}\\) on node {node_ip}")
     llm.shutdown()
     assert_nothing_left(pids)

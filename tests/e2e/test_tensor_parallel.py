@@ -7,15 +7,12 @@ and a worker that dies must take the engine down with a clear error and no proce
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import pytest
 
-from minivllm import LLM, EngineDeadError, SamplingParams
-from tests.procs import wait_gone
+from minivllm import LLM, SamplingParams
+from tests.procs import kill_during_generate, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
@@ -69,12 +66,7 @@ def test_killed_worker_takes_the_engine_down(tiny_llama) -> None:
               skip_tokenizer_init=True)
     pids = [llm.engine_info.engine_pid, *llm.engine_info.worker_pids]
     victim_pid = llm.engine_info.worker_pids[victim]
-    long_job = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)  # many seconds of steps
-    threading.Timer(1.0, os.kill, (victim_pid, signal.SIGKILL)).start()
-    start = time.monotonic()
     # The dead rank is named, not its sibling whose all-reduce broke.
-    with pytest.raises(EngineDeadError, match=f"worker {victim} \\(pid {victim_pid}\\) exited"):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 32, long_job, use_tqdm=False)
-    assert time.monotonic() - start < 11
+    kill_during_generate(llm, victim_pid, f"worker {victim} \\(pid {victim_pid}\\) exited", within=11)
     llm.shutdown()
     assert wait_gone(pids, timeout=10) == []

@@ -4,16 +4,13 @@ bf16 smoke run with a clean, quick shutdown, and a killed stage taking the engin
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import pytest
 import torch
-from minivllm import LLM, EngineDeadError, SamplingParams
+from minivllm import LLM, SamplingParams
 
-from tests.procs import wait_gone
+from tests.procs import kill_during_generate, wait_gone
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")
 
@@ -57,11 +54,7 @@ def test_killed_stage_takes_the_engine_down(tiny_llama, victim: int) -> None:
               max_num_seqs=8, skip_tokenizer_init=True)
     pids = [llm.engine_info.engine_pid, *llm.engine_info.worker_pids]
     victim_pid = llm.engine_info.worker_pids[victim]
-    long_job = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
-    threading.Timer(2.0, os.kill, (victim_pid, signal.SIGKILL)).start()
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError, match=f"worker {victim} \\(pid {victim_pid}, pipeline stage {victim}\\)"):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 64, long_job, use_tqdm=False)
-    assert time.monotonic() - start < 15
+    kill_during_generate(llm, victim_pid, f"worker {victim} \\(pid {victim_pid}, pipeline stage {victim}\\)",
+                         num_requests=64, max_tokens=480, delay=2.0)
     llm.shutdown()
     assert wait_gone(pids, timeout=15) == []
