@@ -77,18 +77,26 @@ def test_ngram_greedy_is_token_identical(engines, reference, settings) -> None:
             assert sum(o.num_cached_tokens for o in again) > 0
 
 
-def test_speculation_steps_aside_above_disable_by_batch_size(engines) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_speculation_steps_aside_above_disable_by_batch_size(engines, tiny_llama, monkeypatch, proposer: str) -> None:
     """Requests of different lengths: the batch shrinks from 6 to 1, so with disable_by_batch_size=3
-    steps with and without speculation alternate (overlapped outputs between the latter on CUDA);
-    the tokens stay those of no speculation, and fewer drafts run than with speculation always on."""
+    steps with and without speculation alternate, the latter with overlapped outputs (forced on, as
+    on CUDA: a draft model's catch-up then takes input ids still on the device). The tokens stay
+    those of no speculation, and fewer drafts run than with speculation always on. The draft model
+    is the target itself: its KV, kept by the catch-up while it steps aside, makes every draft right."""
+    monkeypatch.setenv("MINIVLLM_OVERLAP_OUTPUTS", "1")  # inherited by the engines started below
+    spec = NGRAM if proposer == "ngram" else {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2}
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     expected = token_ids(engines().generate(PROMPTS, params, use_tqdm=False))
     drafts = {}
     for limit in (3, None):
-        llm = engines(speculative_config=dict(NGRAM, disable_by_batch_size=limit))
+        llm = engines(speculative_config=dict(spec, disable_by_batch_size=limit))
         before = spec_counters(llm)
         assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == expected
-        drafts[limit] = spec_counters(llm)[0] - before[0]
+        num_drafts, num_draft_tokens, num_accepted = (a - b for a, b in zip(spec_counters(llm), before))
+        drafts[limit] = num_drafts
+        if proposer == "draft_model":
+            assert num_accepted == num_draft_tokens > 0
     assert 0 < drafts[3] < drafts[None]
 
 

@@ -12,14 +12,15 @@ rejection_sampler.verify_against_samples keeps exact for sampled requests too.
 
 On CUDA both forwards replay CUDA graphs of the draft model's own (worker/cuda_graphs.py: the
 target's buckets, verify ones included), and the k drafts stay on the device between the draft
-steps: one device->host copy per step brings all of them over. Overlapped outputs are off with a
-draft model (every step's input ids must be on the host for the catch-up forward).
+steps: one device->host copy per step brings all of them over. A step that proposes is
+synchronous (its tokens must be on the host to draft from); the others keep overlapped outputs,
+the catch-up taking its input ids still on the device from there, as the target's forward does.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 import numpy as np
@@ -61,7 +62,6 @@ class DraftModelRunner:
                                        runner.input_batch.max_blocks_per_req, self.device)
             self.buffers.kv_layout = self.kv_layout
         self.graphs: StepGraphs | None = None
-        runner.overlap_outputs = False
 
     def kv_cache_bytes_per_block(self) -> int:
         return 2 * self.kv_layout.block_bytes * self.model.num_layers
@@ -79,16 +79,16 @@ class DraftModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    def _run(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The draft model's hidden states over a step; `input_ids` (on the device) replace the step's."""
-        patch = None if input_ids is None else (lambda ids: ids.copy_(input_ids))
-        return run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout, patch_input_ids=patch)
+    def _run(self, step: StepInputs, patch_input_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """The draft model's hidden states over a step (see run_forward for patch_input_ids)."""
+        return run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout, patch_input_ids)
 
     @torch.inference_mode()
     def catch_up(self, step: StepInputs) -> None:
-        """Run this step's tokens through the draft model too (only its KV is kept)."""
+        """Run this step's tokens through the draft model too (only its KV is kept). Input ids the
+        host does not have yet (overlapped outputs) come from the device, as for the target."""
         if self.kv_caches:
-            self._run(step)
+            self._run(step, lambda input_ids: self.runner._patch_pending_inputs(step, input_ids))
 
     @torch.inference_mode()
     def propose(self, step: StepInputs, rows: np.ndarray) -> list[list[int]]:
@@ -125,7 +125,8 @@ class DraftModelRunner:
                 block_table=batch.block_table[active_rows, :num_columns], logits_indices=np.arange(len(active)),
                 sampling_req_index=np.arange(len(active)), sampling_rows=active_rows, max_query_len=1,
                 max_seq_len=int(seq_lens.max()))
-            last_tokens = self.model.compute_logits(self._run(step, input_ids=last_tokens)).argmax(dim=-1)
+            hidden = self._run(step, lambda input_ids, drafts=last_tokens: input_ids.copy_(drafts))
+            last_tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             steps.append((active, last_tokens))
         if steps:
             drafts = torch.cat([tokens for _, tokens in steps]).tolist()  # the one device->host sync
