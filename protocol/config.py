@@ -4,7 +4,10 @@ as msgpack."""
 
 from __future__ import annotations
 
+import json
 import os
+
+from typing import Any
 
 import msgspec
 
@@ -83,6 +86,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
     load_format: str = "auto"  # dummy: random weights from config.json alone
+    # The model's config.json as transformers resolved it in the frontend (defaults filled in), so
+    # the workers need not import transformers (~1.5 s of every start); None: they read it.
+    hf_config: dict[str, Any] | None = None
     seed: int = 0
     max_model_len: int
     vocab_size: int
@@ -265,6 +271,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             data_parallel_size=data_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             speculative_config=speculative_config,
+            hf_config=json.loads(hf_config.to_json_string(use_diff=False)),
         )
 
 

@@ -99,8 +99,12 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type in ("dynamic", "longrope"):
         # These rescale with the running sequence length; we use the initial frequencies.
         logger.warning("rope_type %r is treated as static (initial frequencies only)", rope_type)
+    from transformers import AutoConfig, PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if not isinstance(hf_config, PretrainedConfig):  # the frontend's resolved copy (loader.model_hf_config)
+        settings = dict(vars(hf_config))
+        hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.cpu().float(), float(attention_scaling)
 

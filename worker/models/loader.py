@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,6 +40,16 @@ CPU_PACKED_GEMM_ENV = "MINIVLLM_CPU_PACKED_GEMM"  # "0": plain F.linear on the C
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+def model_hf_config(config: EngineConfig) -> Any:
+    """The model's HF config: the copy the frontend resolved (attributes of a namespace: no
+    transformers import in this process), else config.json read through transformers."""
+    if config.hf_config is not None:
+        return SimpleNamespace(**config.hf_config)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(config.model)
+
+
 def load_model(
     config: EngineConfig,
     device: torch.device | str,
@@ -46,9 +57,7 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by config.model's config.json on `device` in `dtype`, load weights."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(config.model)
+    hf_config = model_hf_config(config)
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported model_type {hf_config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

@@ -49,7 +49,8 @@ class DraftModelRunner:
         self.device = runner.device
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        draft_config = msgspec.structs.replace(config, model=spec.model, tokenizer=spec.model, speculative_config=None)
+        draft_config = msgspec.structs.replace(config, model=spec.model, tokenizer=spec.model, speculative_config=None,
+                                              hf_config=None)  # (the target's; the draft reads its own)
         self.model = load_model(draft_config, self.device, runner.dtype, attn_backend=default_backend(self.device))
         logger.info("draft model loaded: %s", describe(self.model))
         self.kv_layout = KVCacheLayout(config.block_size, self.model.num_kv_heads, self.model.head_dim, runner.dtype,
