@@ -209,7 +209,9 @@ def run_forward(forward: Forward, step: StepInputs, buffers: StepBuffers | None,
     persistent buffers (CUDA) or the host arrays (CPU). `patch_input_ids` may overwrite input ids
     in place once they are loaded (ids that are still on the device)."""
     if buffers is None:
-        input_ids = torch.from_numpy(step.input_ids)
+        # A copy: patching must not write into the step's host array (a draft model's catch-up
+        # reads that array afterwards and patches for itself, as it must on CUDA).
+        input_ids = torch.from_numpy(step.input_ids.copy())
         if patch_input_ids is not None:
             patch_input_ids(input_ids)
         return forward(input_ids, torch.from_numpy(step.positions), host_metadata(step, kv_layout))

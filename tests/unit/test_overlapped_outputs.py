@@ -9,7 +9,9 @@ from __future__ import annotations
 import random
 from collections import deque
 
+import numpy as np
 import pytest
+import torch
 
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.config import EngineConfig
@@ -91,3 +93,47 @@ def test_overlapped_outputs_equal_synchronous_steps(tiny_llama, monkeypatch, num
             assert scheduler.num_preemptions > 0
     assert results[1] == results[0]
     assert sum(patched) > 20, "the overlapped run should take most decode inputs from the device"
+
+
+def test_draft_model_catch_up_reads_pending_inputs_from_the_device(tiny_llama, monkeypatch) -> None:
+    """A draft model (here the target itself) runs every step's tokens after the target; with
+    overlapped outputs some of those input ids are still on the device. Right after each step the
+    draft's K/V at the step's verified positions must equal the target's (same weights, same
+    tokens): a catch-up that read stale host ids there would not."""
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2, "disable_by_batch_size": 2}
+    config = EngineConfig.create(tiny_llama, device="cpu", dtype="float32", block_size=4, num_gpu_blocks=200,
+                                 max_num_batched_tokens=24, max_num_seqs=6, speculative_config=spec)
+    runner = ModelRunner(config)
+    runner.initialize_cache(200)
+    draft = runner.spec_decoder.draft_runner
+    steps: list = []
+    prepare = runner.input_batch.prepare
+    monkeypatch.setattr(runner.input_batch, "prepare", lambda *a, **k: steps.append(prepare(*a, **k)) or steps[-1])
+    run_step = runner.run_step
+    checked = {"pending": 0, "positions": 0}
+
+    def checked_run_step(scheduler_output):
+        outputs = run_step(scheduler_output)
+        step = steps[-1]
+        if scheduler_output.total_num_scheduled_tokens:
+            batch = runner.input_batch
+            rows = np.repeat([batch.row_of[r] for r in step.req_ids], np.diff(step.query_start_loc))
+            verified = step.positions < batch.num_tokens[rows] - 1  # not a rejected draft's slot
+            slots = torch.from_numpy(step.slot_mapping[verified])
+            for target_layer, draft_layer in zip(runner.kv_caches, draft.kv_caches):
+                target_kv = target_layer.flatten(1, 2)[:, slots]  # [2, slots, ...]: K and V
+                draft_kv = draft_layer.flatten(1, 2)[:, slots]
+                torch.testing.assert_close(draft_kv, target_kv, rtol=1e-4, atol=1e-4)
+            checked["positions"] += int(verified.sum())
+            if step.pending_token_index is not None:
+                checked["pending"] += len(step.pending_token_index)
+        return outputs
+
+    runner.run_step = checked_run_step
+    scheduler = Scheduler(config, 200)
+    for request in requests(config.vocab_size)[:6]:
+        scheduler.add_request(request)
+    drive(runner, scheduler, pipelined=True)
+    assert checked["pending"] > 10 and checked["positions"] > 100
+    assert scheduler.spec_num_draft_tokens > 0
