@@ -115,6 +115,7 @@ def test_engine_refusal_raises_value_error_with_the_engines_message(open_engine)
 def test_malformed_frames_get_no_answer_and_break_nothing(open_engine) -> None:
     address, proc = open_engine
     ctx = zmq.Context()
+    ctx.linger = 0  # if an assert fails before destroy, collecting ctx later must not block on a send
     sock = ctx.socket(zmq.DEALER)
     sock.connect(address)
     for frames in ([b""], [b"a", b"b"], [b"x"] * 5, [b"\xc1"], [msgspec.msgpack.encode({"type": "add"})]):
@@ -154,6 +155,7 @@ def test_auth_no_key_and_wrong_key_are_refused_right_key_works(keyed_engine, mon
         LLM(engine_address=address, engine_key="the-wrong-key-of-enough-length")
     # A raw peer without the key gets nothing through: its messages never reach the engine.
     ctx = zmq.Context()
+    ctx.linger = 0  # if an assert fails before destroy, collecting ctx later must not block on a send
     sock = ctx.socket(zmq.DEALER)
     sock.connect(address)
     sock.send(msgspec.msgpack.encode({"type": "shutdown"}))
