@@ -137,34 +137,3 @@ class DraftModelRunner:
                     proposals[i].append(token)
                 at += len(drafting)
         return proposals
-        # Every active request runs all k draft steps (a request with less room has its extra
-        # drafts dropped below, and their K/V goes nowhere: slot -1), so each draft step is one
-        # batch of the same shape and its input ids are the previous step's output, on the device.
-        active_rows = rows[active]
-        last_tokens = torch.from_numpy(batch.token_ids[active_rows, num_tokens[active] - 1]).to(self.device)
-        drafts = []
-        for j in range(int(budget[active].max())):
-            positions = num_tokens[active] - 1 + j
-            in_room = j < budget[active]
-            # (Past a request's room its position is clamped: the slot is -1, and the block-table
-            # column read stays inside the table.)
-            positions = np.where(in_room, positions, num_tokens[active] - 1)
-            slot_mapping = np.where(
-                in_room,
-                batch.block_table[active_rows, positions // self.block_size].astype(np.int64) * self.block_size
-                + positions % self.block_size, -1)
-            seq_lens = positions + 1
-            num_columns = -(-int(seq_lens.max()) // self.block_size)
-            step = StepInputs(
-                req_ids=[""] * len(active), input_ids=np.zeros(len(active), dtype=np.int64), positions=positions,
-                slot_mapping=slot_mapping, query_start_loc=np.arange(len(active) + 1), seq_lens=seq_lens,
-                block_table=batch.block_table[active_rows, :num_columns], logits_indices=np.arange(len(active)),
-                sampling_req_index=np.arange(len(active)), sampling_rows=active_rows, max_query_len=1,
-                max_seq_len=int(seq_lens.max()))
-            hidden = self._run(step, input_ids=last_tokens)
-            last_tokens = self.model.compute_logits(hidden[: len(active)]).argmax(dim=-1)
-            drafts.append(last_tokens)
-        drafts_host = torch.stack(drafts, dim=1).tolist()  # [active, steps]: the one sync
-        for i, row_drafts in zip(active.tolist(), drafts_host):
-            proposals[i] = row_drafts[: int(budget[i])]
-        return proposals
