@@ -287,12 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"minivllm: error: {e}", file=sys.stderr)
         sys.exit(1)
     if args.command in _FAST_EXIT_COMMANDS:
-        # They have stopped their engine and said everything: skip the interpreter's teardown,
-        # which takes ~2 s with transformers and torch loaded (a server's stop, a one-off answer).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # They have stopped their engine and said everything (a server's stop, a one-off answer).
+        from minivllm.protocol.ipc import exit_without_teardown
+
+        exit_without_teardown(code)
     sys.exit(code)
 
 

@@ -96,6 +96,18 @@ def spawn_child(module: str, args: list[str], env: dict[str, str] | None = None)
     )
 
 
+def exit_without_teardown(code: int) -> None:
+    """End this process now, once its logs and output are flushed: for a process that has closed
+    what it opened. The interpreter's own teardown costs ~1-2 s with torch and transformers loaded
+    (and torch.distributed's rendezvous store has been seen to stall it for seconds)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def stop_child(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     """Wait for a child asked to exit; terminate, then kill it if it lingers."""
     for sig_fn in (None, proc.terminate, proc.kill):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 import traceback
 from typing import Any
@@ -22,6 +21,7 @@ import zmq
 
 from minivllm.protocol.auth import CurveKeys
 from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.ipc import exit_without_teardown
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
 from minivllm.protocol.serial import encode, worker_input_decoder
 
@@ -146,13 +146,8 @@ def main() -> None:
                         format=f"%(levelname)s %(asctime)s [worker{args.rank}] %(name)s: %(message)s")
     config = msgspec.json.decode(args.config, type=EngineConfig)
     code = run_worker(config, args.rank, args.work_address, args.result_address, args.dist_init_address)
-    # Everything is flushed and the sockets (and any process group) are closed: skip the
-    # interpreter's teardown, which costs ~0.8 s with torch loaded (every engine shutdown waits
-    # for it), and where torch.distributed's rendezvous store has been seen to stall for seconds.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # The sockets (and any process group) are closed; every engine shutdown waits for this exit.
+    exit_without_teardown(code)
 
 
 if __name__ == "__main__":
