@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-
 from typing import Any
 
 import msgspec

@@ -117,11 +117,11 @@ class StepGraphs:
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = decode_buckets(max_num_seqs)
         self.mixed_buckets = mixed_buckets(max_num_batched_tokens)
-        # Verify buckets (speculative decoding): only where a mixed bucket would be much larger.
+        # Verify buckets (speculative decoding): only where the smallest mixed bucket is larger
+        # (it is at most max_num_batched_tokens, so they fit the buffers too).
         self.verify_query_len = verify_query_len
         self.verify_buckets = [] if verify_query_len < 2 else [
-            n for n in decode_buckets(min(max_verify_seqs, max_num_seqs))
-            if n * verify_query_len < self.mixed_buckets[0] and n * verify_query_len <= max_num_batched_tokens]
+            n for n in decode_buckets(min(max_verify_seqs, max_num_seqs)) if n * verify_query_len < self.mixed_buckets[0]]
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = None
