@@ -17,7 +17,7 @@ import torch
 from triton.testing import do_bench
 
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.triton_attention import paged_attention
+from minivllm.worker.attention.triton_attention import DecodeConfig, decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 
@@ -51,12 +51,12 @@ def main() -> None:
             results = []
             for bn, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
                 try:
-                    t = do_bench(lambda cache=cache, bn=bn, warps=warps, stages=stages: paged_attention(
-                        q, cache, md, 0.088, tiles=(16, bn, warps, stages)),
+                    t = do_bench(lambda cache=cache, bn=bn, warps=warps, stages=stages: decode_attention(
+                        q, cache, md, 0.088, config=DecodeConfig(bn, warps, stages), num_splits=1),
                                  warmup=5, rep=40)
                 except Exception:  # out of shared memory etc.
                     continue
-                results.append((t, (16, bn, warps, stages)))
+                results.append((t, (bn, warps, stages)))
             results.sort()
             best = ", ".join(f"{t * 1000:.0f} us {c} {kv_bytes / t / 1e6:.0f} GB/s" for t, c in results[:3])
             print(f"{layout:11s} cache {cache_blocks * bytes_per_block / (1 << 30):6.2f} GiB: {best}", flush=True)

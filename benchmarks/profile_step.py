@@ -47,13 +47,19 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefill", action="store_true", help="skip the full-budget prefill step")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="profile the prefill forward's kernels instead of the decode step's")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
+    if args.profile_prefill and args.no_prefill:
+        parser.error("--profile-prefill needs the prefill step (drop --no-prefill)")
 
     block_size = 16
     blocks_per_req = -(-(args.context + args.steps + 8) // block_size)
-    num_blocks = args.batch * blocks_per_req + 64
-    config = EngineConfig.create(args.model, load_format="dummy", num_gpu_blocks=num_blocks, max_model_len=4096,
+    # (the prefill step writes slots 0..max_num_batched_tokens - 1)
+    num_blocks = max(args.batch * blocks_per_req, -(-args.max_num_batched_tokens // block_size)) + 64
+    max_model_len = max(4096, args.max_num_batched_tokens)
+    config = EngineConfig.create(args.model, load_format="dummy", num_gpu_blocks=num_blocks, max_model_len=max_model_len,
                                  max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
                                  enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(config)
@@ -155,8 +161,11 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            runner.execute_model(decode_output())
-            computed = [c + 1 for c in computed]
+            if args.profile_prefill:
+                runner._forward(runner.buffers.input_ids[:n], runner.buffers.positions[:n], pm)
+            else:
+                runner.execute_model(decode_output())
+                computed = [c + 1 for c in computed]
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 

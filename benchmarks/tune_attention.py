@@ -2,16 +2,20 @@
 FP8 caches, next to PyTorch's flash attention (SDPA on contiguous K/V) as a yardstick.
 
     python benchmarks/tune_attention.py [--cases prefill-32k,decode-256x700,...] [--fp8] [--top 4]
+        [--baseline OLD/triton_attention.py]
 
 Prefill cases report TFLOP/s (causal attention: 2 * 2 * visible (query, key) pairs * head_dim *
 heads); decode cases report TB/s of cache read (K and V of every live token, scales included).
 "prefill-32k" is one 32,768-token prompt run as the engine runs it with a budget of 8192: four
-chunks, each over the cached prefix of the ones before.
+chunks, each over the cached prefix of the ones before. Prefill steps carry empty sequences up to
+--graph-seqs, as a CUDA graph's bucket does: the kernel is then compiled as the engine runs it. --baseline times another version of
+triton_attention.py (a saved copy) on the same batches with its own default shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import os
 import sys
@@ -24,7 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.attention.triton_attention import DecodeConfig, decode_attention, paged_attention, store_kv
+from minivllm.worker.attention.triton_attention import (
+    DecodeConfig,
+    PrefillConfig,
+    decode_attention,
+    paged_attention,
+    store_kv,
+)
 from tests.gpu.test_triton_attention import make_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
@@ -34,11 +44,13 @@ CASES = {
     "prefill-1x2048": [[(0, 2048)]],
     "prefill-1x8192": [[(0, 8192)]],
     "prefill-32k": [[(c, 8192)] for c in (0, 8192, 16384, 24576)],
+    "prefill-1x16384": [[(0, 16384)]],
     "decode-256x700": [[(700, 1)] * 256],
     "decode-32x4096": [[(4096, 1)] * 32],
     "decode-4x16384": [[(16384, 1)] * 4],
 }
-PREFILL_TILES = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
+PREFILL_CONFIGS = [PrefillConfig(m, n, w, st, r) for m, n, w, st, r in itertools.product(
+    (64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (None, 128)) if not (r and w == 4)]
 # The decode kernel's (block_n, num_warps, num_stages).
 DECODE_CONFIGS = [DecodeConfig(n, w, st) for n, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
 
@@ -68,9 +80,20 @@ def main() -> None:
     parser.add_argument("--cases", default="prefill-1x8192,prefill-32k,decode-256x700")
     parser.add_argument("--fp8", action="store_true", help="an FP8 cache (kv_cache_dtype='fp8')")
     parser.add_argument("--top", type=int, default=4)
+    parser.add_argument("--baseline", help="another triton_attention.py to time beside this one")
+    parser.add_argument("--no-sweep", action="store_true", help="time the default shapes only")
+    parser.add_argument("--graph-seqs", type=int, default=257,
+                        help="pad prefill steps with empty sequences to this many, as the engine's CUDA graphs do "
+                             "(max_num_seqs + 1); 0: no padding")
     args = parser.parse_args()
+    baseline = None
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_attention", args.baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
     for name in args.cases.split(","):
-        steps = [build_step(cases, args.fp8) for cases in CASES[name]]
+        steps = [build_step(cases if cases[0][1] == 1 else cases + [(0, 0)] * (args.graph_seqs - len(cases)),
+                            args.fp8) for cases in CASES[name]]
         decode = steps[0][2].max_query_len == 1
         layout = steps[0][2].layout(steps[0][1])
         if decode:
@@ -85,10 +108,10 @@ def main() -> None:
                 if isinstance(tiles, DecodeConfig):
                     decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
                 else:
-                    paged_attention(q, cache, md, HEAD_DIM**-0.5, tiles=tiles)
+                    paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
 
         results = []
-        for tiles in DECODE_CONFIGS if decode else PREFILL_TILES:
+        for tiles in [] if args.no_sweep else DECODE_CONFIGS if decode else PREFILL_CONFIGS:
             try:
                 ms = do_bench(lambda: run(tiles), warmup=10, rep=50, return_mode="median")
             except Exception as exc:  # out of shared memory etc.
@@ -97,12 +120,16 @@ def main() -> None:
             results.append((ms, tiles))
         results.sort()
         default_ms = do_bench(lambda: run(None), warmup=10, rep=50, return_mode="median")
-        if decode:
-            unified_ms = do_bench(lambda: run((16, 64, 4, 2)), warmup=10, rep=50, return_mode="median")
-            print(f"  the unified kernel (16, 64, 4, 2): {unified_ms * 1000:.0f} us = {work / unified_ms * 1000:.2f} {unit}")
         best = "\n    ".join(f"{tuple(t)} {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}" for ms, t in results[: args.top])
         print(f"{name}{' fp8' if args.fp8 else ''}: default {default_ms * 1000:.0f} us = "
               f"{work / default_ms * 1000:.0f} {unit}; best {best}")
+        if baseline is not None:
+            def run_baseline():
+                for q, cache, md in steps:
+                    baseline.paged_attention(q, cache, md, HEAD_DIM**-0.5)
+
+            ms = do_bench(run_baseline, warmup=10, rep=50, return_mode="median")
+            print(f"  baseline {args.baseline}: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if not decode and len(CASES[name][0]) == 1:  # one prompt: SDPA runs it whole
             total = sum(CASES[name][-1][0])
             qq = torch.randn(1, HEADS, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

@@ -151,6 +151,30 @@ def test_padding_rows_write_nothing_and_read_nothing() -> None:
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
 
+@pytest.mark.parametrize("pad_tokens", [1, 3])
+def test_mixed_step_padding(pad_tokens) -> None:
+    """A mixed CUDA-graph bucket's padding: its padding tokens form one sequence of length 0 (one
+    token goes to the decode kernel, several to the prefill kernel), then empty sequences. They
+    read nothing, come out zero, and the real rows still equal the reference."""
+    q, k, v, cache, metadata = make_batch(MIXED, 4, 2, 128, 16, torch.bfloat16, seed=pad_tokens)
+    store_kv(k, v, cache, metadata.slot_mapping)
+    expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
+    num_tokens = q.shape[0]
+    ends = torch.tensor([num_tokens + pad_tokens] * 3, dtype=torch.int32, device="cuda")
+    padded = AttentionMetadata(
+        query_start_loc=torch.cat([metadata.query_start_loc, ends]),
+        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(3, dtype=torch.int32, device="cuda")]),
+        block_tables=torch.cat([metadata.block_tables, torch.zeros_like(metadata.block_tables[:3])]),
+        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad_tokens,), -1, device="cuda")]),
+        max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
+    )
+    out = torch.full((num_tokens + pad_tokens, *q.shape[1:]), float("nan"), dtype=q.dtype, device="cuda")
+    paged_attention(torch.cat([q, torch.randn_like(q[:pad_tokens])]), cache, padded, 128**-0.5, out=out)
+    assert torch.equal(out[num_tokens:], torch.zeros_like(out[num_tokens:]))
+    error = (out[:num_tokens].double() - expected).norm() / expected.norm()
+    assert error < 1e-2, f"relative error {error:.2e}"
+
+
 LONG_DECODES = [(n, 1) for n in (1, 15, 16, 17, 300, 1025, 5000)]
 
 

@@ -1,13 +1,15 @@
-"""Paged attention on CUDA in Triton: one kernel for a whole mixed batch of prefill chunks and
-decodes, reading K/V straight from the block pool.
+"""Paged attention on CUDA in Triton, reading K/V straight from the block pool: a prefill kernel
+for the sequences of a step with several tokens (prefill chunks, speculative verifies) and a
+decode kernel for those with one.
 
-The work is cut into programs of (query tile, KV head). A query tile is up to BLOCK_Q
+Prefill: the work is cut into programs of (query tile, KV head). A query tile is up to BLOCK_Q
 consecutive tokens of ONE sequence, times the query heads that share the KV head (GQA), so
 each K/V tile loaded from the cache serves BLOCK_M = BLOCK_Q * heads_per_kv query rows at
 once through the tensor cores. A program walks its sequence's block table BLOCK_N keys at a
 time (several paged blocks per tile), with the online softmax of FlashAttention, and stops at
-the last key its tile may see (causal). Decode-only steps use a small BLOCK_M (a decode has
-one token); steps with prefill chunks use a large one.
+the last key its tile may see (causal). Key tiles that every row of the query tile sees whole
+(all but the last one or two) take a loop without masks; only the diagonal pays for them.
+Later tiles of a sequence have more keys to walk, so programs start from the last tile.
 
 The grid cannot know how many tiles each sequence needs without a device->host sync, so it
 uses the bound of vLLM's unified kernel: sequence s owns tiles
@@ -19,10 +21,11 @@ tokens and sequences, so the kernel can be captured in a CUDA graph.
 Padding rows (in CUDA-graph buckets) have seq_len 0 and slot -1: nothing is written for
 them and their output is zero.
 
-Decode-only steps go to a kernel of their own, one program per (sequence, KV head, split): the
-GQA group's query heads form one tile, and when the batch is too small to fill the GPU each
-sequence's keys are split across several programs whose partial softmax states a second kernel
-merges (flash-decoding), so a few long contexts use every SM.
+Decode: one program per (sequence, KV head, split): the GQA group's query heads form one tile
+(in a prefill tile a decode would fill a single row of BLOCK_M), and when a decode-only batch is
+too small to fill the GPU each sequence's keys are split across several programs whose partial
+softmax states a second kernel merges (flash-decoding), so a few long contexts use every SM. In a
+step with prefill chunks both kernels run, each skipping the other's sequences.
 
 An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
 multiplies its column of scores and each value's scale its row, so nothing is dequantized twice.
@@ -94,10 +97,80 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_key_tile(
+    q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, IEEE_FP32: tl.constexpr, FP8: tl.constexpr,
+):
+    """One step of the online softmax: the tile's queries against keys [key_start, key_start +
+    BLOCK_N). MASKED=False is for key tiles every query of the tile sees whole (no causal or
+    length mask, no masked loads); MASKED=True for the diagonal and the sequence's last keys."""
+    offs_n = key_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    if MASKED:
+        n_valid = offs_n < num_keys
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE).to(tl.int64)
+    kv_rows = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+    kv_ptrs = kv_rows[:, None] + offs_d[None, :]
+    if MASKED:
+        kv_mask = n_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PADDED:
+        k = tl.load(k_cache_ptr + kv_ptrs)
+    else:
+        kv_mask = offs_d[None, :] < HEAD_DIM
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    # An FP8 key is e4m3 * scale (one scale per key): the dot runs on the e4m3 values widened to
+    # the query's dtype, and each key's column of scores takes its scale.
+    if IEEE_FP32:
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if FP8:
+        scale_rows = block_ids * stride_scale_block + (offs_n % BLOCK_SIZE) * stride_scale_slot + kv_head
+        if MASKED:
+            scores = scores * tl.load(k_scale_ptr + scale_rows, mask=n_valid, other=0.0)[None, :]
+        else:
+            scores = scores * tl.load(k_scale_ptr + scale_rows)[None, :]
+    # The running max m_i is kept in log2 units (scores * scale_log2e), so the exponent below is
+    # one fused multiply-add per score.
+    if MASKED:
+        visible = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2e)
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    else:
+        m_safe = m_new
+    p = tl.math.exp2(scores * scale_log2e - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_ptrs)
+    if FP8:  # likewise each value row takes its scale
+        if MASKED:
+            v_scale = tl.load(v_scale_ptr + scale_rows, mask=n_valid, other=0.0)
+        else:
+            v_scale = tl.load(v_scale_ptr + scale_rows)
+        v = v.to(q.dtype) * v_scale.to(q.dtype)[:, None]
+    if IEEE_FP32:
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2e, num_seqs,
+    scale_log2e, num_seqs, num_kv_heads,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
     stride_block_table,
@@ -105,13 +178,17 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Programs run roughly in launch order, and a causal tile's work grows with its position, so
+    # the last tiles go first (every KV head's) and the short ones fill the tail.
+    pid = tl.program_id(0)
+    kv_head = pid % num_kv_heads
+    tile = (tl.num_programs(0) - 1 - pid) // num_kv_heads
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile_in_seq = tile - (q_start // BLOCK_Q + seq)
-    if tile_in_seq * BLOCK_Q >= q_len:
+    # A one-token sequence (a decode) is the decode kernel's, which wastes no tile rows on it.
+    if tile_in_seq * BLOCK_Q >= q_len or q_len == 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens cached before this step's chunk
@@ -135,44 +212,25 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
 
-    # The tile's last query sees keys up to its own position: stop there.
-    num_keys = tl.minimum(seq_len, context_len + (tile_in_seq + 1) * BLOCK_Q)
+    # Keys before the tile's first query position are seen by every row: those tiles skip the
+    # masks. The rest, up to the last query's position, are masked (the causal diagonal).
+    first_pos = context_len + tile_in_seq * BLOCK_Q
+    num_keys = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    # (A mixed graph's padding tokens form a sequence of length 0: negative positions, no keys.)
+    unmasked_end = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, num_keys), 0)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    for key_start in range(0, num_keys, BLOCK_N):
-        offs_n = key_start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < num_keys
-        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_rows = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            # An FP8 key is e4m3 * scale (one scale per key): the dot runs on the e4m3 values
-            # widened to the query's dtype, and each key's column of scores takes its scale.
-            scale_rows = block_ids * stride_scale_block + (offs_n % BLOCK_SIZE) * stride_scale_slot + kv_head
-            k = k.to(q.dtype)
-        if IEEE_FP32:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        if FP8:
-            scores = scores * tl.load(k_scale_ptr + scale_rows, mask=n_valid, other=0.0)[None, :]
-        scores = scores * scale_log2e
-        visible = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP8:  # likewise each value row takes its scale
-            v = v.to(q.dtype) * tl.load(v_scale_ptr + scale_rows, mask=n_valid, other=0.0).to(q.dtype)[:, None]
-        if IEEE_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for key_start in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attend_key_tile(
+            q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
+    for key_start in range(unmasked_end, num_keys, BLOCK_N):
+        acc, l_i, m_i = _attend_key_tile(
+            q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, True, IEEE_FP32, FP8)
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = (q_start + token_in_chunk).to(tl.int64) * stride_o_token + head * stride_o_head
@@ -184,23 +242,32 @@ def _paged_attention_kernel(
 def _paged_decode_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     query_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, seq_lens_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2e,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, MIXED: tl.constexpr,
 ):
     """Decode-only steps (one query token per sequence): program (seq, kv_head, split) attends the
     HEADS_PER_KV query heads of that KV head (rows of a tensor-core tile padded to GROUP_PADDED)
     over split `split` of the sequence's keys. With one split it writes the output; with several
     (flash-decoding: a small batch of long contexts would otherwise leave most SMs idle) it writes
-    its partial softmax state, and _combine_splits_kernel merges them."""
+    its partial softmax state, and _combine_splits_kernel merges them.
+
+    MIXED: a step with prefill chunks too, whose one-token sequences this kernel takes (their
+    query row is query_start_loc[seq]; the others are _paged_attention_kernel's). One split only."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if MIXED:
+        row = tl.load(query_start_loc_ptr + seq)
+        if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
+            return
+    else:
+        row = seq
     seq_len = tl.load(seq_lens_ptr + seq)
     # Splits own whole tiles of BLOCK_N keys, so only the last tile of a sequence is partial.
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
@@ -212,7 +279,7 @@ def _paged_decode_kernel(
     head = kv_head * HEADS_PER_KV + offs_g
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     d_valid = offs_d < HEAD_DIM
-    q = tl.load(query_ptr + seq.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+    q = tl.load(query_ptr + row.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
                 mask=g_valid[:, None] & d_valid[None, :], other=0.0)
     if FP8:
         # e4m3 widens to float16 in one instruction per pair (to bfloat16 it takes a detour
@@ -254,7 +321,7 @@ def _paged_decode_kernel(
     out_mask = g_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_rows = seq.to(tl.int64) * stride_o_token + head * stride_o_head
+        o_rows = row.to(tl.int64) * stride_o_token + head * stride_o_head
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # partial state, [seq, head, split]; an empty split leaves max -inf and sum 0
         state = (seq.to(tl.int64) * (HEADS_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
@@ -310,8 +377,21 @@ def _scales(views: KVCacheViews) -> tuple[torch.Tensor, torch.Tensor, tuple[int,
     return views.key_scale, views.value_scale, (views.key_scale.stride(0), views.key_scale.stride(1))
 
 
-# The mixed kernel's tile shape (BLOCK_M, BLOCK_N, num_warps, num_stages), for steps with prefill chunks.
-PREFILL_TILES = (64, 64, 4, 2)
+class PrefillConfig(NamedTuple):
+    block_m: int = 128  # query rows per tile (tokens x the query heads of one KV head)
+    block_n: int = 64  # keys per tile
+    num_warps: int = 8
+    num_stages: int = 4
+    # A register cap per thread (None: the compiler's choice). Left to itself the compiler takes
+    # 136 at these shapes when the sequence count is not the constant 1 (a CUDA graph's batch),
+    # and the kernel runs at half the speed.
+    maxnreg: int | None = 128
+
+
+# Tuned on an H100 (benchmarks/tune_attention.py) for 16-bit queries with heads of up to 128 dims;
+# float32 queries (exactness runs) and wider heads take smaller tiles to fit shared memory.
+PREFILL = PrefillConfig()
+PREFILL_SMALL = PrefillConfig(64, 64, 4, 2, None)
 
 
 class DecodeConfig(NamedTuple):
@@ -346,8 +426,11 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: in
 def decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     out: torch.Tensor | None = None, config: DecodeConfig | None = None, num_splits: int | None = None,
+    mixed: bool = False,
 ) -> torch.Tensor:
-    """Attention for a decode-only step (metadata.max_query_len == 1: row i is sequence i's token)."""
+    """Attention for a decode-only step (metadata.max_query_len == 1: row i is sequence i's token),
+    or, with `mixed`, for the one-token sequences of a step with prefill chunks (the rest of `out`
+    is left to the prefill kernel)."""
     num_tokens, num_heads, head_dim = query.shape
     layout = metadata.layout(kv_cache)
     num_kv_heads = layout.num_kv_heads
@@ -357,7 +440,9 @@ def decode_attention(
         out = torch.empty_like(query)
     if config is None:
         config = DECODE_FP8 if layout.fp8 else DECODE
-    if num_splits is None:  # short contexts lose more to the merge than they gain from more programs
+    if mixed:
+        num_splits = 1
+    elif num_splits is None:  # short contexts lose more to the merge than they gain from more programs
         num_splits = 1 if metadata.max_seq_len <= DECODE_LONG_CONTEXT else num_kv_splits(
             num_seqs, num_kv_heads, _num_sms(query.device.index or 0), config.max_splits)
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
@@ -374,14 +459,15 @@ def decode_attention(
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, partial_out, partial_max, partial_sum,
         query, views.key, views.value, k_scale, v_scale,
-        metadata.block_tables, metadata.seq_lens,
+        metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         scale * 1.4426950408889634,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
         metadata.block_tables.stride(0),
         HEADS_PER_KV=heads_per_kv, GROUP_PADDED=group_padded, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=layout.block_size, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, MIXED=mixed,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
@@ -393,38 +479,38 @@ def decode_attention(
 
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-    out: torch.Tensor | None = None, tiles: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None, config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim]. A
-    decode-only step goes to the decode kernel (unless `tiles` asks for this one's shapes)."""
-    if tiles is None and metadata.max_query_len == 1:
+    decode-only step goes to the decode kernel; a step with prefill chunks to the prefill kernel
+    (`config`: its tile shape), whose one-token sequences the decode kernel takes."""
+    if metadata.max_query_len == 1:
         return decode_attention(query, kv_cache, metadata, scale, out=out)
+    out = decode_attention(query, kv_cache, metadata, scale, out=out, mixed=True)
     num_tokens, num_heads, head_dim = query.shape
     layout = metadata.layout(kv_cache)
     block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
     heads_per_kv = num_heads // num_kv_heads
-    if out is None:
-        out = torch.empty_like(query)
-    if tiles is None:
-        tiles = PREFILL_TILES
-    block_m, block_n, num_warps, num_stages = tiles
-    block_m = max(block_m, triton.next_power_of_2(heads_per_kv))
+    if config is None:
+        config = PREFILL_SMALL if query.dtype == torch.float32 or head_dim > 128 else PREFILL
+    block_m = max(config.block_m, triton.next_power_of_2(heads_per_kv))
     block_q = max(1, block_m // heads_per_kv)
     num_seqs = metadata.num_seqs
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     views = layout.split(kv_cache)
     k_scale, v_scale, scale_strides = _scales(views)
     _paged_attention_kernel[grid](
         out, query, views.key, views.value, k_scale, v_scale,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale * 1.4426950408889634, num_seqs,
+        scale * 1.4426950408889634, num_seqs, num_kv_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
         metadata.block_tables.stride(0),
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
         IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
     return out
 
