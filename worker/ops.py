@@ -150,14 +150,20 @@ def norm_rope(
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim]: optional per-head RMSNorm,
-    then RoPE with cos/sin_cache [max_position, rotary_dim // 2] (fp32). In place on CUDA."""
+    then RoPE with cos/sin_cache [max_position, rotary_dim // 2] (fp32). In place on CUDA (q and k
+    may be views into one qkv tensor, whose v part is left alone)."""
     if not _use_triton(q):
         if q_norm is not None:
             q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
         cos, sin = cos_cache[positions], sin_cache[positions]
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
-    q, k = q.contiguous(), k.contiguous()  # views into the fused qkv output are not
     num_tokens, num_q_heads, head_dim = q.shape
+    # The kernel steps over tokens by stride and expects each token's heads packed: views of the
+    # fused qkv output are, so they are rotated where they lie (copying them cost two kernels a layer).
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    if k.stride(2) != 1 or k.stride(1) != head_dim:
+        k = k.contiguous()
     half_rot = cos_cache.shape[-1]
     _norm_rope_kernel[(num_tokens,)](
         q, k, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,

@@ -46,7 +46,11 @@ def test_norm_rope(dtype, heads, kv_heads, head_dim, rotary_dim, with_norm) -> N
         q_ref, k_ref = ops.rms_norm_reference(q_ref, norms[0], 1e-6), ops.rms_norm_reference(k_ref, norms[1], 1e-6)
     q_ref = ops.rope_reference(q_ref, cos[positions], sin[positions])
     k_ref = ops.rope_reference(k_ref, cos[positions], sin[positions])
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     q_out, k_out = ops.norm_rope(q, k, positions, cos, sin, *norm_args, eps=1e-6)
+    # Rotated in place inside the qkv tensor (no copies), v left alone.
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel_error(q_out, q_ref) < tolerance and rel_error(k_out, k_ref) < tolerance
 
