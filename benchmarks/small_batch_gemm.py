@@ -2,7 +2,8 @@
 
     python3 benchmarks/small_batch_gemm.py     # on the device machine
 Prints, per shape and row count: relative error vs an fp64 reference, and the time of each with the
-bandwidth it reaches (weight bytes / time).
+bandwidth it reaches (weight bytes / time); then, at one row, each fused prologue (add + RMSNorm
+before qkv and gate|up, SiLU-and-mul before down) against its two kernels run one after the other.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from minivllm.worker import small_batch_gemm
+from minivllm.worker import ops, small_batch_gemm
 
 # (N, K) of Qwen3-0.6B: qkv, o, gate|up, down, LM head
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
@@ -52,6 +53,26 @@ def main() -> None:
                   f"{nbytes / gemv / 1e3:6.0f}")
 
 
+def fused() -> None:
+    """One row: a norm or SiLU-and-mul kernel followed by the projection, against the one kernel
+    that does both (in CUDA graphs, as a decode step runs them)."""
+    torch.manual_seed(0)
+    print(f"{'N x K':>14} {'prologue':>12} {'two kernels us':>15} {'fused us':>9}")
+    for (n, k), gated in (((4096, 1024), False), ((6144, 1024), False), ((1024, 3072), True)):
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
+        if gated:
+            gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+            two = graph_time_us(lambda w: small_batch_gemm.linear(ops.silu_and_mul(gate_up), w), weights)
+            one = graph_time_us(lambda w: small_batch_gemm.silu_mul_linear(gate_up, w), weights)
+        else:
+            x, residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16), torch.randn(1, k, device="cuda",
+                                                                                             dtype=torch.bfloat16)
+            g = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+            two = graph_time_us(lambda w: small_batch_gemm.linear(ops.add_rms_norm(x, g, 1e-6, residual)[0], w), weights)
+            one = graph_time_us(lambda w: small_batch_gemm.norm_linear(x, residual, g, 1e-6, w)[0], weights)
+        print(f"{n:>7}x{k:<6} {'silu*mul' if gated else 'add+rmsnorm':>12} {two:15.1f} {one:9.1f}")
+
+
 def sweep() -> None:
     """One row: the kernel's settings against cuBLAS, per shape."""
     torch.manual_seed(0)
@@ -78,4 +99,5 @@ def sweep() -> None:
 
 if __name__ == "__main__":
     main()
+    fused()
     sweep()

@@ -26,6 +26,43 @@ def test_matches_fp64(n: int, k: int, dtype: torch.dtype, with_bias: bool) -> No
     assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3
 
 
+@pytest.mark.parametrize("n,k", [(4096, 1024), (37, 520), (6144, 3000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_linear(n: int, k: int, dtype: torch.dtype, with_residual: bool) -> None:
+    """RMSNorm(x + residual) * g, then the projection, in one kernel: the residual stream it
+    returns is exactly x + residual, and the product matches an fp64 norm-then-project."""
+    from minivllm.worker import ops, small_batch_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(n * k)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    x, residual = (torch.randn(1, k, device="cuda", generator=gen).to(dtype) * 3 for _ in range(2))
+    norm_weight = torch.randn(k, device="cuda", generator=gen).to(dtype)
+    out, summed = small_batch_gemm.norm_linear(x, residual if with_residual else None, norm_weight, 1e-6, weight, bias)
+    expected_sum = x + residual if with_residual else x
+    assert torch.equal(summed, expected_sum)
+    normed = ops.rms_norm_reference(expected_sum.double(), norm_weight.double(), 1e-6)
+    ref = F.linear(normed, weight.double(), bias.double())
+    assert out.shape == (1, n) and not out.isnan().any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize("n,k", [(1024, 3072), (37, 520)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_linear(n: int, k: int, dtype: torch.dtype) -> None:
+    from minivllm.worker import small_batch_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
+    gate_up = (torch.randn(1, 2 * k, device="cuda", generator=gen) * 2).to(dtype)
+    out = small_batch_gemm.silu_mul_linear(gate_up, weight)
+    ref = F.linear(F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double(), weight.double())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3
+    with pytest.raises(ValueError, match="columns"):
+        small_batch_gemm.silu_mul_linear(gate_up[:, :k], weight)
+
+
 def test_only_one_contiguous_half_precision_row() -> None:
     from minivllm.worker import small_batch_gemm
 

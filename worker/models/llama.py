@@ -184,12 +184,14 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden_states: torch.Tensor,
+        qkv: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """Attention from the qkv projection's output (the decoder layer runs qkv_proj, fused with
+        the norm before it)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -217,7 +219,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), gated=True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -239,15 +241,12 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next norm adds
-        them. The first layer gets residual None: its input is the residual stream."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        them. The first layer gets residual None: its input is the residual stream. Each norm
+        runs together with the projection after it (one kernel at batch 1 on CUDA)."""
+        qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden_states, residual, self.input_layernorm)
+        hidden_states = self.self_attn(positions, qkv, kv_cache, attn_metadata)
+        gate_up, residual = self.mlp.gate_up_proj.forward_normed(hidden_states, residual, self.post_attention_layernorm)
+        return self.mlp.down_proj(gate_up, gated=True), residual
 
 
 # ---------------------------------------------------------------- the model

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.worker import cpu_gemm, small_batch_gemm
+from minivllm.worker import cpu_gemm, ops, small_batch_gemm
 from minivllm.worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
 
 # A torch tensor or a safetensors PySafeSlice: both index like a tensor; the slice reads only what
@@ -93,6 +93,18 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return projection(x, self.weight, self.bias, self.packed_weight)
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This projection of norm(x + residual) (of norm(x) without a residual), and x + residual:
+        a pre-norm block's norm and first projection. One kernel for a single row on CUDA
+        (small_batch_gemm.norm_linear); `norm` is an RMSNorm (its weight, its eps)."""
+        if self.packed_weight is None and small_batch_gemm.supports(x, self.weight):
+            return small_batch_gemm.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        normed, residual = norm(x, residual)
+        return self(normed), residual
+
     def pack_for_cpu(self) -> None:
         """Run on oneDNN's packed copy of the weight from now on (see worker/cpu_gemm.py); the
         plain weight is dropped, so call this once the weights are loaded."""
@@ -121,8 +133,15 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed_weight: torch.Tensor | None = None  # set by pack_for_cpu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(projection(x, self.weight, self.bias if self.rank == 0 else None, self.packed_weight))
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """gated: x is gate | up (a fused column layer's output) and this layer's input is
+        silu(gate) * up, computed inside the projection for a single row on CUDA."""
+        bias = self.bias if self.rank == 0 else None
+        if gated:
+            if self.packed_weight is None and small_batch_gemm.supports(x, self.weight):
+                return all_reduce(small_batch_gemm.silu_mul_linear(x, self.weight, bias))
+            x = ops.silu_and_mul(x)
+        return all_reduce(projection(x, self.weight, bias, self.packed_weight))
 
     pack_for_cpu = ColumnParallelLinear.pack_for_cpu
 
