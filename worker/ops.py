@@ -6,7 +6,8 @@ again. On CUDA each op here is one kernel that reads its inputs once:
 
   add_rms_norm     residual += x (optional), then RMSNorm(residual) * weight
   norm_rope        per-head RMSNorm (Qwen3's q/k norm, optional) then rotary embedding, of q
-                   and k in place, one program per token
+                   and k in place, one program per token; optionally it then writes the token's
+                   k and v into the paged KV cache (the attention backend's store, fused)
   silu_and_mul     silu(gate) * up from the fused gate|up projection
 
 The torch versions are the reference (and the CPU path); they follow HF's order of operations
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+
+    from minivllm.worker.attention.triton_attention import store_kv_args, store_token_kv
 except ImportError:  # CPU-only torch builds have no Triton: the torch versions serve
     triton = None
 
@@ -72,9 +75,17 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr,
                           stride_q_token, stride_k_token, eps,
+                          # store_token_kv's arguments (triton_attention.store_kv_args), used with STORE_KV
+                          key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+                          stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                          stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block,
+                          stride_scale_slot,
                           NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF_ROT: tl.constexpr, HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr,
-                          DIM_PADDED: tl.constexpr, HAS_NORM: tl.constexpr):
+                          DIM_PADDED: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+                          NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                          MIN_SCALE: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + token).to(tl.int64)
         half = tl.arange(0, HALF_PADDED)
@@ -111,6 +122,13 @@ if triton is not None:
             s = sin[None, :].to(x1.dtype)
             tl.store(first, x1 * c - x2 * s, mask=mask)
             tl.store(first + HALF_ROT, x2 * c + x1 * s, mask=mask)
+        if STORE_KV:
+            tl.debug_barrier()  # the store reads the rotated k just written
+            store_token_kv(
+                key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
+                stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+                NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -148,11 +166,17 @@ def add_rms_norm(
 def norm_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+    kv_store: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim]: optional per-head RMSNorm,
     then RoPE with cos/sin_cache [max_position, rotary_dim // 2] (fp32). In place on CUDA (q and k
-    may be views into one qkv tensor, whose v part is left alone)."""
+    may be views into one qkv tensor, whose v part is left alone).
+
+    kv_store (CUDA only): (value, kv_cache, slot_mapping, layout); the kernel then also writes each
+    token's rotated k and its v into the cache, as triton_attention.store_kv would."""
     if not _use_triton(q):
+        if kv_store is not None:
+            raise ValueError("norm_rope stores K/V only on CUDA")
         if q_norm is not None:
             q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
         cos, sin = cos_cache[positions], sin_cache[positions]
@@ -165,12 +189,20 @@ def norm_rope(
     if k.stride(2) != 1 or k.stride(1) != head_dim:
         k = k.contiguous()
     half_rot = cos_cache.shape[-1]
+    if kv_store is not None:
+        value, kv_cache, slot_mapping, layout = kv_store
+        store_args, store_constants = store_kv_args(k, value, kv_cache, slot_mapping, layout)
+    else:  # unused stand-ins
+        store_args = (q,) * 7 + (0,) * 9
+        store_constants = dict(NUM_KV_HEADS=1, KV_HEADS_PADDED=1, HEAD_DIM=head_dim, HEAD_DIM_PADDED=1, BLOCK_SIZE=1,
+                               FP8=False, FP8_MAX=1.0, MIN_SCALE=1.0)
     _norm_rope_kernel[(num_tokens,)](
         q, k, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,
-        cos_cache, sin_cache, positions, q.stride(0), k.stride(0), eps,
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HEAD_DIM=head_dim, HALF_ROT=half_rot,
+        cos_cache, sin_cache, positions, q.stride(0), k.stride(0), eps, *store_args,
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF_ROT=half_rot,
         HEADS_PADDED=triton.next_power_of_2(num_q_heads), HALF_PADDED=triton.next_power_of_2(half_rot),
-        DIM_PADDED=triton.next_power_of_2(head_dim), HAS_NORM=q_norm is not None, num_warps=4,
+        DIM_PADDED=triton.next_power_of_2(head_dim), HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
+        **store_constants, num_warps=4,
     )
     return q, k
 

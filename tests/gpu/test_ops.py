@@ -61,3 +61,35 @@ def test_silu_and_mul(dtype) -> None:
     gate, up = x.split(3072, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     assert rel_error(ops.silu_and_mul(x), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_stores_kv(fp8, with_norm) -> None:
+    """With kv_store the RoPE kernel writes each token's rotated k and its v into the cache exactly
+    as the attention backend's own store would, skipping padding slots (-1)."""
+    from minivllm.worker.attention.kv_cache import KVCacheLayout
+    from minivllm.worker.attention.triton_attention import store_kv
+
+    heads, kv_heads, head_dim, tokens, block_size, num_blocks = 16, 8, 128, 21, 16, 8
+    dtype = torch.bfloat16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    freqs = torch.arange(256, device="cuda")[:, None] * torch.rand(head_dim // 2, device="cuda")[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 256, (tokens,), device="cuda")
+    norms = (torch.randn(head_dim, device="cuda", dtype=dtype), torch.randn(head_dim, device="cuda", dtype=dtype))
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
+    slots[::5] = -1
+    layout = KVCacheLayout(block_size, kv_heads, head_dim, dtype, fp8=fp8)
+    cache = layout.allocate(num_blocks, torch.device("cuda"))
+    cache.copy_(torch.randint_like(cache, 0, 100))  # whatever was there must stay where nothing is written
+    expected_cache = cache.clone()
+    norm_args = norms if with_norm else (None, None)
+    q_ref, k_ref = ops.norm_rope(q.clone(), k.clone(), positions, cos, sin, *norm_args, eps=1e-6)
+    store_kv(k_ref, v, expected_cache, slots, layout)
+    q_out, k_out = ops.norm_rope(q, k, positions, cos, sin, *norm_args, eps=1e-6,
+                                 kv_store=(v, cache, slots, layout))
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert torch.equal(cache, expected_cache)

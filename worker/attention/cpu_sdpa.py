@@ -81,6 +81,7 @@ class SdpaAttentionBackend:
     """The CPU AttentionBackend (see worker/attention/metadata.py for the interface)."""
 
     name = "cpu-sdpa"
+    stores_kv_with_rope = False
 
     def __init__(self) -> None:
         self._planned_for: AttentionMetadata | None = None
@@ -100,9 +101,11 @@ class SdpaAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         layout = metadata.layout(kv_cache)
-        write_kv(key, value, kv_cache, metadata.slot_mapping, layout)
+        if not kv_stored:
+            write_kv(key, value, kv_cache, metadata.slot_mapping, layout)
         plan = self.plan(metadata, layout.block_size)
         views = layout.split(kv_cache)  # an FP8 cache is dequantized to the query's dtype as it is gathered
         gqa = query.shape[1] != layout.num_kv_heads

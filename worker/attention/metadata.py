@@ -69,8 +69,11 @@ class AttentionBackend(Protocol):
     """Paged attention for one layer: store this step's K/V, then attend over the cache.
 
     query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim]
-    -> output [num_tokens, num_heads, head_dim].
+    -> output [num_tokens, num_heads, head_dim]. kv_stored: the K/V are in the cache already
+    (a backend with stores_kv_with_rope lets the RoPE kernel write them, ops.norm_rope).
     """
+
+    stores_kv_with_rope: bool
 
     def forward(
         self,
@@ -80,4 +83,5 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor: ...

@@ -111,6 +111,7 @@ class ReferenceAttentionBackend:
     """The pure-torch AttentionBackend (see worker/attention/metadata.py for the interface)."""
 
     name = "reference"
+    stores_kv_with_rope = False
 
     def forward(
         self,
@@ -120,6 +121,8 @@ class ReferenceAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
+        if not kv_stored:
+            write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
         return paged_attention(query, kv_cache, metadata, scale)

@@ -46,22 +46,22 @@ from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionMet
 
 
 @triton.jit
-def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+def store_token_kv(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
-    NUM_KV_HEADS: tl.constexpr, HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
-    """One program per token: write its keys and values (every KV head) to its slot; for an FP8
-    cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX."""
-    token = tl.program_id(0)
+    """Write one token's keys and values (every KV head) to its slot (slot -1: a padding row, none);
+    for an FP8 cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX. The body of
+    _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py)."""
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # a padding row
+    if slot < 0:
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, HEADS_PADDED)
+    heads = tl.arange(0, KV_HEADS_PADDED)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     cache_offs = block * stride_cache_block + offset * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
@@ -79,6 +79,22 @@ def _store_kv_kernel(
         v = v / v_scale[:, None]
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):
+    """One program per token: store_token_kv."""
+    store_token_kv(
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+        tl.program_id(0).to(tl.int64), stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+        stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+        NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
 
 @triton.jit
@@ -353,21 +369,28 @@ def _combine_splits_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+def store_kv_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  layout: KVCacheLayout | None = None) -> tuple[tuple, dict]:
+    """store_token_kv's arguments after `token` (positional) and its constants (by name), for a
+    kernel that stores key/value [num_tokens, num_kv_heads, head_dim] into this cache."""
+    layout = layout if layout is not None else plain_layout(kv_cache)
+    views = layout.split(kv_cache)
+    _, num_kv_heads, head_dim = key.shape
+    k_scale, v_scale, scale_strides = _scales(views)
+    args = (key, value, views.key, views.value, k_scale, v_scale, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides)
+    constants = dict(NUM_KV_HEADS=num_kv_heads, KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+                     HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+                     BLOCK_SIZE=layout.block_size, FP8=layout.fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE)
+    return args, constants
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              layout: KVCacheLayout | None = None) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] to their slots (slot -1: skip)."""
-    layout = layout if layout is not None else plain_layout(kv_cache)
-    views = layout.split(kv_cache)
-    num_tokens, num_kv_heads, head_dim = key.shape
-    k_scale, v_scale, scale_strides = _scales(views)
-    _store_kv_kernel[(num_tokens,)](
-        key, value, views.key, views.value, k_scale, v_scale, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
-        NUM_KV_HEADS=num_kv_heads, HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=layout.block_size, FP8=layout.fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-    )
+    args, constants = store_kv_args(key, value, kv_cache, slot_mapping, layout)
+    _store_kv_kernel[(key.shape[0],)](*args, **constants)
 
 
 def _scales(views: KVCacheViews) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
@@ -516,9 +539,11 @@ def paged_attention(
 
 
 class TritonAttentionBackend:
-    """The CUDA backend: store K/V with one kernel, attend with another."""
+    """The CUDA backend: store K/V (with its own kernel, or inside the RoPE kernel, which saves a
+    launch per layer), attend with another."""
 
     name = "triton"
+    stores_kv_with_rope = True
 
     def forward(
         self,
@@ -528,6 +553,8 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
+        if not kv_stored:
+            store_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
         return paged_attention(query, kv_cache, metadata, scale)

@@ -130,14 +130,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, kv_store: tuple | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [tokens, heads, head_dim] and k by their positions; with q_norm/k_norm
-        (Qwen3), normalize each head first. One kernel on CUDA."""
+        (Qwen3), normalize each head first; with kv_store, write k and v to the cache after
+        (ops.norm_rope). One kernel on CUDA."""
         if q_norm is None:
-            return ops.norm_rope(query, key, positions, self.cos_cache, self.sin_cache)
+            return ops.norm_rope(query, key, positions, self.cos_cache, self.sin_cache, kv_store=kv_store)
         return ops.norm_rope(query, key, positions, self.cos_cache, self.sin_cache,
-                             q_norm.weight, k_norm.weight, q_norm.eps)
+                             q_norm.weight, k_norm.weight, q_norm.eps, kv_store=kv_store)
 
 
 # ---------------------------------------------------------------- decoder layer
@@ -195,11 +196,15 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # The RoPE kernel can write k and v to the cache as it goes (a kernel fewer per layer).
+        kv_store = None
+        if self.attn_backend.stores_kv_with_rope and q.is_cuda:
+            kv_store = (v, kv_cache, attn_metadata.slot_mapping, attn_metadata.layout(kv_cache))
         if self.use_qk_norm:
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=kv_store)
         else:
-            q, k = self.rotary_emb(positions, q, k)
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+            q, k = self.rotary_emb(positions, q, k, kv_store=kv_store)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, kv_stored=kv_store is not None)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
