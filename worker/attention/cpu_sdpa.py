@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
 from minivllm.worker.attention.kv_cache import gather, write_kv
 
 
@@ -77,11 +77,10 @@ def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
     return StepPlan(decode_rows, decode_slots, decode_mask, prefills)
 
 
-class SdpaAttentionBackend:
+class SdpaAttentionBackend(AttentionBackend):
     """The CPU AttentionBackend (see worker/attention/metadata.py for the interface)."""
 
     name = "cpu-sdpa"
-    stores_kv_with_rope = False
 
     def __init__(self) -> None:
         self._planned_for: AttentionMetadata | None = None
@@ -93,19 +92,13 @@ class SdpaAttentionBackend:
             self._planned_for = metadata
         return self._plan
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:
+    def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+              metadata: AttentionMetadata) -> None:
+        write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         layout = metadata.layout(kv_cache)
-        if not kv_stored:
-            write_kv(key, value, kv_cache, metadata.slot_mapping, layout)
         plan = self.plan(metadata, layout.block_size)
         views = layout.split(kv_cache)  # an FP8 cache is dequantized to the query's dtype as it is gathered
         gqa = query.shape[1] != layout.num_kv_heads

@@ -17,7 +17,6 @@ kv_cache.py describes it, and `metadata.layout(kv_cache).split(kv_cache)` gives 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -65,23 +64,32 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-class AttentionBackend(Protocol):
-    """Paged attention for one layer: store this step's K/V, then attend over the cache.
+class AttentionBackend:
+    """Paged attention for one layer: store this step's K/V, then attend over the cache. A backend
+    gives the two halves:
 
-    query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim]
-    -> output [num_tokens, num_heads, head_dim]. kv_stored: the K/V are in the cache already
-    (a backend with stores_kv_with_rope lets the RoPE kernel write them, ops.norm_rope).
+      store(key, value, kv_cache, metadata)       key/value [num_tokens, num_kv_heads, head_dim]
+                                                  to their slots (metadata.slot_mapping)
+      attend(query, kv_cache, metadata, scale)    query [num_tokens, num_heads, head_dim]
+                                                  -> output [num_tokens, num_heads, head_dim]
+
+    A backend with stores_kv_with_rope lets the RoPE kernel write the K/V (ops.norm_rope), and
+    the layer then calls forward with kv_stored=True.
     """
 
-    stores_kv_with_rope: bool
+    name: str
+    stores_kv_with_rope: bool = False
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
-    ) -> torch.Tensor: ...
+    def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+              metadata: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            self.store(key, value, kv_cache, metadata)
+        return self.attend(query, kv_cache, metadata, scale)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.worker.attention.kv_cache import FP8_DTYPE, dequantize, write_kv
-from minivllm.worker.attention.metadata import AttentionMetadata
+from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
 
 __all__ = ["ReferenceAttentionBackend", "paged_attention", "token_positions", "write_kv"]
 
@@ -107,22 +107,15 @@ def paged_attention(
     return out.view(num_tokens, num_heads, head_dim).to(query.dtype)
 
 
-class ReferenceAttentionBackend:
+class ReferenceAttentionBackend(AttentionBackend):
     """The pure-torch AttentionBackend (see worker/attention/metadata.py for the interface)."""
 
     name = "reference"
-    stores_kv_with_rope = False
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:
-        if not kv_stored:
-            write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
+    def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+              metadata: AttentionMetadata) -> None:
+        write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         return paged_attention(query, kv_cache, metadata, scale)

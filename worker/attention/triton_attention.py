@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
-from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionMetadata
+from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionBackend, AttentionMetadata
 
 
 @triton.jit
@@ -538,23 +538,17 @@ def paged_attention(
     return out
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """The CUDA backend: store K/V (with its own kernel, or inside the RoPE kernel, which saves a
-    launch per layer), attend with another."""
+    launch per layer), attend with the prefill and decode kernels."""
 
     name = "triton"
     stores_kv_with_rope = True
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:
-        if not kv_stored:
-            store_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
+    def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+              metadata: AttentionMetadata) -> None:
+        store_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         return paged_attention(query, kv_cache, metadata, scale)
