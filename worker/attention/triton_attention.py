@@ -57,8 +57,9 @@ def store_token_kv(
     for an FP8 cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX. The body of
     _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py)."""
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
+    # A padding row writes nothing (a mask rather than an early return: this body is inlined
+    # into other kernels).
+    slot_valid = slot >= 0
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     heads = tl.arange(0, KV_HEADS_PADDED)
@@ -73,12 +74,12 @@ def store_token_kv(
         v = v.to(tl.float32)
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1) / FP8_MAX, MIN_SCALE)
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX, MIN_SCALE)
-        tl.store(k_scale_ptr + scale_offs, k_scale, mask=heads < NUM_KV_HEADS)
-        tl.store(v_scale_ptr + scale_offs, v_scale, mask=heads < NUM_KV_HEADS)
+        tl.store(k_scale_ptr + scale_offs, k_scale, mask=(heads < NUM_KV_HEADS) & slot_valid)
+        tl.store(v_scale_ptr + scale_offs, v_scale, mask=(heads < NUM_KV_HEADS) & slot_valid)
         k = k / k_scale[:, None]
         v = v / v_scale[:, None]
-    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
 
 
 @triton.jit
