@@ -555,7 +555,8 @@ class TritonAttentionBackend(AttentionBackend):
     launch per layer), attend with the prefill and decode kernels."""
 
     name = "triton"
-    stores_kv_with_rope = True
+    # $MINIVLLM_ROPE_STORES_KV=0 keeps the store's own kernel (for measuring the fusion).
+    stores_kv_with_rope = os.environ.get("MINIVLLM_ROPE_STORES_KV", "1") != "0"
 
     def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               metadata: AttentionMetadata) -> None:
