@@ -313,7 +313,25 @@ class EngineCoreClient(EngineCoreClientBase):
     # -- plumbing -------------------------------------------------------------------------------
 
     def _send(self, message: Any) -> None:
-        self.socket.send(encode(message), copy=False)
+        """Send, waiting for room while watching the connection events. A DEALER blocks a send
+        while it has no connection to queue on, and after a refused handshake (a wrong or missing
+        key) it never gets one: a plain blocking send would hang where the monitor says why."""
+        data = encode(message)
+        poller = None
+        while True:
+            try:
+                self.socket.send(data, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            if poller is None:
+                poller = zmq.Poller()
+                poller.register(self.socket, zmq.POLLOUT)
+                poller.register(self.monitor, zmq.POLLIN)
+            self._check_alive()
+            events = dict(poller.poll(POLL_MS))
+            if self.monitor in events:
+                self._on_monitor_event(recv_monitor_message(self.monitor)["event"])
 
     def _receive(self, deadline: float | None) -> bool:
         """Wait for one message (until `deadline`); False on time-out. Raises EngineDeadError."""

@@ -167,6 +167,36 @@ def test_auth_no_key_and_wrong_key_are_refused_right_key_works(keyed_engine, mon
         assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
+def test_refused_handshake_before_the_first_send_is_an_error_not_a_hang(keyed_engine, monkeypatch) -> None:
+    """The engine refuses the handshake before the client's first message (a slow client): the
+    call fails with the reason, and does not block. (A full suite once hung in the blocking send
+    of the test above, on a busy box; this does not reproduce that, but pins the outcome.)"""
+    import threading
+
+    from minivllm.protocol.messages import EngineInfo
+
+    address, proc = keyed_engine
+    monkeypatch.delenv("MINIVLLM_ENGINE_KEY", raising=False)
+    client = EngineCoreClient(address, owns_engine=False)
+    time.sleep(1.5)  # the refused handshake happens now, before anything is sent
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            client.call_utility("get_engine_info", type=EngineInfo, timeout=10)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+            outcome.append(e)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "the call hung"
+    assert isinstance(outcome[0], EngineDeadError) and "could not authenticate" in str(outcome[0])
+    client.shutdown()  # attached (owns_engine=False): detaches, the engine keeps running
+    assert proc.poll() is None
+
+
 def test_flood_is_refused_as_overloaded_with_bounded_memory(keyed_engine) -> None:
     address, proc = keyed_engine
     with LLM(engine_address=address, engine_key=KEY) as llm:
