@@ -193,7 +193,7 @@ def _paged_attention_kernel(
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    IEEE_FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     # Programs run roughly in launch order, and a causal tile's work grows with its position, so
     # the last tiles go first (every KV head's) and the short ones fill the tail.
@@ -236,20 +236,12 @@ def _paged_attention_kernel(
     # (A mixed graph's padding tokens form a sequence of length 0: negative positions, no keys.)
     unmasked_end = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, num_keys), 0)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    if WARP_SPECIALIZE:  # Triton's automatic warp specialization of the loop (an experiment; see PrefillConfig)
-        for key_start in tl.range(0, unmasked_end, BLOCK_N, warp_specialize=True):
-            acc, l_i, m_i = _attend_key_tile(
-                q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
-                HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
-    else:
-        for key_start in range(0, unmasked_end, BLOCK_N):
-            acc, l_i, m_i = _attend_key_tile(
-                q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
-                HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
+    for key_start in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attend_key_tile(
+            q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
     for key_start in range(unmasked_end, num_keys, BLOCK_N):
         acc, l_i, m_i = _attend_key_tile(
             q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
@@ -418,9 +410,6 @@ class PrefillConfig(NamedTuple):
     # 136 at these shapes when the sequence count is not the constant 1 (a CUDA graph's batch),
     # and the kernel runs at half the speed.
     maxnreg: int | None = 128
-    # Triton's automatic warp specialization of the unmasked key loop (loads in producer warps,
-    # dots and softmax in consumers): swept by tune_attention.py, not yet measured, off.
-    warp_specialize: bool = False
 
 
 # Tuned on an H100 (benchmarks/tune_attention.py) for 16-bit queries with heads of up to 128 dims;
@@ -543,7 +532,7 @@ def paged_attention(
         metadata.block_tables.stride(0),
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, WARP_SPECIALIZE=config.warp_specialize,
+        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
