@@ -192,7 +192,7 @@ def norm_rope(
     if kv_store is not None:
         value, kv_cache, slot_mapping, layout = kv_store
         store_args, store_constants = store_kv_args(k, value, kv_cache, slot_mapping, layout)
-    else:  # unused stand-ins
+    else:  # unused stand-ins, as many as store_kv_args gives: 7 tensors, 9 strides
         store_args = (q,) * 7 + (0,) * 9
         store_constants = dict(NUM_KV_HEADS=1, KV_HEADS_PADDED=1, HEAD_DIM=head_dim, HEAD_DIM_PADDED=1, BLOCK_SIZE=1,
                                FP8=False, FP8_MAX=1.0, MIN_SCALE=1.0)

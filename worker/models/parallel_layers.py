@@ -98,7 +98,7 @@ class ColumnParallelLinear(nn.Module):
         """This projection of norm(x + residual) (of norm(x) without a residual), and x + residual:
         a pre-norm block's norm and first projection. One kernel for a single row on CUDA
         (small_batch_gemm.norm_linear); `norm` is an RMSNorm (its weight, its eps)."""
-        if self.packed_weight is None and small_batch_gemm.supports(x, self.weight):
+        if small_batch_gemm.supports(x, self.weight):  # (never with a packed weight: self.weight is None)
             return small_batch_gemm.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
         if residual is None:
             return self(norm(x)), x
@@ -138,7 +138,7 @@ class RowParallelLinear(nn.Module):
         silu(gate) * up, computed inside the projection for a single row on CUDA."""
         bias = self.bias if self.rank == 0 else None
         if gated:
-            if self.packed_weight is None and small_batch_gemm.supports(x, self.weight):
+            if small_batch_gemm.supports(x, self.weight):
                 return all_reduce(small_batch_gemm.silu_mul_linear(x, self.weight, bias))
             x = ops.silu_and_mul(x)
         return all_reduce(projection(x, self.weight, bias, self.packed_weight))
