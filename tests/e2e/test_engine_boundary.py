@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -30,7 +31,7 @@ from benchmarks.soak_engine import (
 from minivllm import LLM, EngineDeadError, EngineOverloadedError, SamplingParams
 from minivllm.frontend.core_client import EngineCoreClient
 from minivllm.protocol.auth import CurveKeys
-from minivllm.protocol.messages import EngineCoreOutputs
+from minivllm.protocol.messages import EngineCoreOutputs, EngineInfo
 from tests.procs import pid_alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -171,10 +172,6 @@ def test_refused_handshake_before_the_first_send_is_an_error_not_a_hang(keyed_en
     """The engine refuses the handshake before the client's first message (a slow client): the
     call fails with the reason, and does not block. (A full suite once hung in the blocking send
     of the test above, on a busy box; this does not reproduce that, but pins the outcome.)"""
-    import threading
-
-    from minivllm.protocol.messages import EngineInfo
-
     address, proc = keyed_engine
     monkeypatch.delenv("MINIVLLM_ENGINE_KEY", raising=False)
     client = EngineCoreClient(address, owns_engine=False)
