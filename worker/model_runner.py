@@ -226,9 +226,9 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         """One tensor per layer, [2, num_blocks, ...] (K = [0], V = [1]; the rest as
-        worker/attention/kv_cache.py lays it out); then, on CUDA, capture the step graphs (they bake
-        in the cache's address)."""
-        self.kv_caches = [self.kv_layout.allocate(num_blocks, self.device) for _ in range(self.model.num_layers)]
+        worker/attention/kv_cache.py lays it out), views of one allocation; then, on CUDA, capture
+        the step graphs (they bake in the cache's address)."""
+        self.kv_caches = self.kv_layout.allocate_layers(self.model.num_layers, num_blocks, self.device)
         self.num_blocks = num_blocks
         if self.spec_decoder is not None:
             self.spec_decoder.initialize_cache(num_blocks)

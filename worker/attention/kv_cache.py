@@ -63,6 +63,13 @@ class KVCacheLayout:
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(self.shape(num_blocks), dtype=torch.uint8 if self.fp8 else self.dtype, device=device)
 
+    def allocate_layers(self, num_layers: int, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+        """One cache per layer, as views of one tensor [num_layers, *shape]: a copy of whole
+        blocks (the CPU offload tier) can then move every layer's K and V in one indexing op."""
+        stacked = torch.zeros((num_layers, *self.shape(num_blocks)), dtype=torch.uint8 if self.fp8 else self.dtype,
+                              device=device)
+        return list(stacked.unbind(0))
+
     def split(self, kv_cache: torch.Tensor) -> KVCacheViews:
         if not self.fp8:
             return KVCacheViews(kv_cache[0], kv_cache[1], None, None)

@@ -68,6 +68,7 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         super().__init__(config, rank, device)
         self.host_blocks: torch.Tensor | None = None
         self.registered = False  # host_blocks pinned by cudaHostRegister
+        self.blocks_first: torch.Tensor | None = None  # see _blocks_first_view
         self.staging: dict[bool, torch.Tensor] = {}
         self.cuda = device.type == "cuda"
         self.store_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -78,6 +79,7 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        self.blocks_first = self._blocks_first_view()
         # Allocate (and pin) the host tier now, at start-up: pinning GiBs of host memory takes
         # seconds, which on the first step would stall the first requests served.
         layer = kv_caches[0]
@@ -118,18 +120,38 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         self.registered = False
         self.host_blocks = None
 
+    def _blocks_first_view(self) -> torch.Tensor | None:
+        """The layers' caches as one view [num_blocks, num_layers, 2, ...] (block-major, like a host
+        block) when they are views of one tensor at a constant layer stride (the model runner
+        allocates them so), else None."""
+        first = self.kv_caches[0]
+        if len(self.kv_caches) == 1:
+            return first.unsqueeze(0).transpose(0, 2).transpose(1, 2)
+        layer_stride = self.kv_caches[1].storage_offset() - first.storage_offset()
+        for i, cache in enumerate(self.kv_caches):
+            if (cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                    or cache.storage_offset() != first.storage_offset() + i * layer_stride
+                    or cache.stride() != first.stride()):
+                return None
+        stacked = first.as_strided((len(self.kv_caches), *first.shape), (layer_stride, *first.stride()),
+                                   first.storage_offset())
+        return stacked.transpose(0, 2).transpose(1, 2)  # [L, 2, blocks, ...] -> [blocks, L, 2, ...]
+
     def _copy(self, copy: BlockCopy, to_host: bool) -> None:
         """Move the blocks of `copy` (GPU -> host when to_host), STAGING_BLOCKS at a time, on the
         current stream: each pass waits on the stream for the one before it to free the staging buffer."""
         staging = self.staging[to_host]
+        all_ids = torch.tensor(copy.gpu_block_ids, device=self.device)  # one small host-to-device copy
         for at in range(0, len(copy.gpu_block_ids), STAGING_BLOCKS):
-            gpu_ids = copy.gpu_block_ids[at:at + STAGING_BLOCKS]
-            host_runs = block_runs(list(range(len(gpu_ids))), copy.host_block_ids[at:at + STAGING_BLOCKS])
-            index = torch.tensor(gpu_ids, device=self.device)
-            stage = staging[:len(gpu_ids)]
+            index = all_ids[at:at + STAGING_BLOCKS]
+            host_runs = block_runs(list(range(len(index))), copy.host_block_ids[at:at + STAGING_BLOCKS])
+            stage = staging[:len(index)]
             if to_host:
-                for i, layer in enumerate(self.kv_caches):  # layer [2, blocks, ...] -> stage[:, i] [n, 2, ...]
-                    stage[:, i] = layer[:, index].transpose(0, 1)
+                if self.blocks_first is not None:  # every layer's K and V in one gather
+                    torch.index_select(self.blocks_first, 0, index, out=stage)
+                else:
+                    for i, layer in enumerate(self.kv_caches):  # layer [2, blocks, ...] -> stage[:, i] [n, 2, ...]
+                        stage[:, i] = layer[:, index].transpose(0, 1)
                 for first, host_start, length in host_runs:
                     self.host_blocks[host_start:host_start + length].copy_(stage[first:first + length],
                                                                            non_blocking=self.cuda)
@@ -137,8 +159,11 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
                 for first, host_start, length in host_runs:
                     stage[first:first + length].copy_(self.host_blocks[host_start:host_start + length],
                                                       non_blocking=self.cuda)
-                for i, layer in enumerate(self.kv_caches):
-                    layer[:, index] = stage[:, i].transpose(0, 1)
+                if self.blocks_first is not None:
+                    self.blocks_first.index_copy_(0, index, stage)
+                else:
+                    for i, layer in enumerate(self.kv_caches):
+                        layer[:, index] = stage[:, i].transpose(0, 1)
 
     def handle_preemptions(self) -> None:
         meta: OffloadingMetadata | None = self.connector_metadata
