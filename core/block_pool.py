@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -128,6 +128,14 @@ class FreeKVCacheBlockQueue:
         next_block.prev_free_block = block
         self.num_free_blocks += 1
 
+    def iter_from_head(self, limit: int) -> Iterator[KVCacheBlock]:
+        """The first `limit` free blocks, next handed out first (do not change the queue meanwhile)."""
+        block = self._head.next_free_block
+        while limit > 0 and block is not None and block is not self._tail:
+            yield block
+            block = block.next_free_block
+            limit -= 1
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Head to tail; for tests and debugging (O(n))."""
         blocks = []
@@ -158,6 +166,9 @@ class BlockPool:
         # Told of every cached block about to lose its hash to eviction (its KV still intact): the
         # CPU offload tier spills it. None (no offloading): nothing is called.
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        # Told of every block newly registered in the prefix cache (when scheduled, before the
+        # step computes it): the CPU offload tier copies it out after that step.
+        self.on_cached: Callable[[KVCacheBlock], None] | None = None
 
     # ------------------------------------------------------------------ allocation
 
@@ -218,6 +229,8 @@ class BlockPool:
             if block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
+                if self.on_cached is not None:
+                    self.on_cached(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:

@@ -110,10 +110,20 @@ class BlockCopy(msgspec.Struct, array_like=True):
 
 
 class OffloadingMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One step of the CPU offload tier. Stores read GPU blocks the scheduler just freed for reuse
-    in this step (spilled prefix-cache blocks, swapped-out requests): they happen before the
-    forward. Loads fill blocks of requests in WAITING_FOR_REMOTE_KVS: they run alongside it."""
+    """One step of the CPU offload tier.
+
+    stores: GPU blocks the scheduler just freed for reuse in this step (spilled prefix-cache
+        blocks, swapped-out requests): the forward waits for them.
+    ahead_stores: cached blocks near the head of the free queue (the next to be evicted), copied
+        out while the forward runs, so that their eviction later costs no wait; they form batch
+        `ahead_batch`.
+    wait_for_ahead_batch: this step reuses blocks stored ahead in that batch (or an earlier one):
+        the forward waits for it (-1: none).
+    loads: fill blocks of requests in WAITING_FOR_REMOTE_KVS; they run alongside the forward."""
 
     num_host_blocks: int
     stores: list[BlockCopy] = []
     loads: list[BlockCopy] = []
+    ahead_stores: list[BlockCopy] = []
+    ahead_batch: int = -1
+    wait_for_ahead_batch: int = -1

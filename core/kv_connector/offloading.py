@@ -7,7 +7,13 @@ every layer). It serves two uses:
 * a second-level prefix cache: a GPU block evicted from the prefix cache still holds the KV of
   its hash; it is copied (spilled) into a host block kept in LRU order by hash. A request whose
   GPU prefix-cache hit stops at a block the host tier holds loads the run of host blocks that
-  follows instead of recomputing it.
+  follows instead of recomputing it. Blocks are copied out ahead of their eviction, while the
+  forwards run: each block registered in the prefix cache, one step after the step that computes
+  it (write-through, as vLLM's offloading connector does), and, after each step's scheduling, the
+  cached blocks among the next `lookahead_blocks` of the free queue (the next to be evicted) that
+  the host does not hold (any more). The step that later reuses such a block waits for its copy
+  (long done by then) instead of making one on its critical path. A block evicted before it was
+  copied (freed and reused at once) is copied in the step that reuses it, which waits.
 * swap: a preempted request's blocks (all of them, the last partly filled one included) are
   copied to host blocks it owns, and copied back when it is admitted again, instead of recomputed.
   Swap blocks are never evicted; when the host tier cannot make room the request is recomputed.
@@ -151,22 +157,45 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         self.loading: dict[str, tuple[list[int], bool]] = {}
         self.stores: list[BlockCopy] = []
         self.loads: list[BlockCopy] = []
+        # Spilling ahead: the free queue's first blocks looked at after each step, the next
+        # batch's number, and the batch each GPU block was copied out in (until evicted).
+        self.block_pool: BlockPool | None = None
+        self.copy_ahead = True  # False: blocks are copied out only when evicted (tests compare)
+        self.lookahead_blocks = cdiv(config.max_num_batched_tokens, self.block_size)
+        self.next_ahead_batch = 0
+        self.ahead_batch_of_block: dict[int, int] = {}
+        self.wait_for_ahead_batch = -1
+        # Blocks registered in the prefix cache during this step's / the last step's scheduling
+        # (with the hash they got): the last step's are computed by the time this step's
+        # metadata reaches the workers (their forwards run in order).
+        self.cached_this_step: list[tuple[KVCacheBlock, BlockHash]] = []
+        self.cached_last_step: list[tuple[KVCacheBlock, BlockHash]] = []
         self.sent_size = False
         # Counters (blocks), for tests and benchmarks.
         self.num_spilled = self.num_swapped_out = self.num_loaded_hits = self.num_swapped_in = 0
+        self.num_spilled_ahead = 0  # of num_spilled
 
     # ------------------------------------------------------------------ spills
 
     def bind_block_pool(self, block_pool: BlockPool) -> None:
         if block_pool.enable_caching and self.host.num_blocks:
             block_pool.on_evict = self._spill
+            block_pool.on_cached = self._on_cached
+            self.block_pool = block_pool
+
+    def _on_cached(self, block: KVCacheBlock) -> None:
+        assert block.block_hash is not None
+        self.cached_this_step.append((block, block.block_hash))
 
     def _spill(self, block: KVCacheBlock) -> None:
         """A cached GPU block is being evicted (and reused in this step): keep its KV on the host."""
         block_hash = block.block_hash
         assert block_hash is not None
+        ahead_batch = self.ahead_batch_of_block.pop(block.block_id, None)
+        if ahead_batch is not None:  # the forward that overwrites it waits for that copy
+            self.wait_for_ahead_batch = max(self.wait_for_ahead_batch, ahead_batch)
         if self.host.lookup(block_hash) is not None:
-            self.host.touch(block_hash)  # already there (spilled before, and loaded back since)
+            self.host.touch(block_hash)  # already there (copied ahead, or spilled and loaded back since)
             return
         slots = self.host.allocate(1)
         if slots is None:
@@ -271,12 +300,47 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
 
     # ------------------------------------------------------------------ per step, and the end
 
+    def _spill_ahead(self) -> BlockCopy | None:
+        """Copy out, ahead of their eviction, the blocks the last step computed and the cached
+        blocks the free queue hands out next, where the host tier does not hold them yet (see the
+        module docstring)."""
+        if self.block_pool is None or not self.copy_ahead:
+            return None
+        computed, self.cached_last_step, self.cached_this_step = self.cached_last_step, self.cached_this_step, []
+        # (A block whose hash changed since was evicted meanwhile: spilled then, or lost.)
+        candidates = [block for block, block_hash in computed if block.block_hash == block_hash]
+        candidates += self.block_pool.free_block_queue.iter_from_head(self.lookahead_blocks)
+        copy = BlockCopy([], [])
+        for block in candidates:
+            block_hash = block.block_hash
+            if block_hash is None or self.host.lookup(block_hash) is not None:
+                continue  # uncached, or the host holds it (copied ahead, or spilled and loaded back)
+            slots = self.host.allocate(1)
+            if slots is None:
+                break  # every host block is pinned or swapped
+            self.host.insert(block_hash, slots[0])
+            copy.gpu_block_ids.append(block.block_id)
+            copy.host_block_ids.append(slots[0])
+            self.ahead_batch_of_block[block.block_id] = self.next_ahead_batch
+        if not copy.gpu_block_ids:
+            return None
+        self.num_spilled += len(copy.gpu_block_ids)
+        self.num_spilled_ahead += len(copy.gpu_block_ids)
+        return copy
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> OffloadingMetadata | None:
-        if not self.stores and not self.loads and self.sent_size:
+        ahead = self._spill_ahead()
+        if not self.stores and not self.loads and ahead is None and self.wait_for_ahead_batch < 0 and self.sent_size:
             return None
         self.sent_size = True  # the first step's metadata makes the workers allocate the host blocks
-        meta = OffloadingMetadata(self.host.num_blocks, self.stores, self.loads)
+        meta = OffloadingMetadata(self.host.num_blocks, self.stores, self.loads,
+                                  ahead_stores=[] if ahead is None else [ahead],
+                                  ahead_batch=-1 if ahead is None else self.next_ahead_batch,
+                                  wait_for_ahead_batch=self.wait_for_ahead_batch)
+        if ahead is not None:
+            self.next_ahead_batch += 1
         self.stores, self.loads = [], []
+        self.wait_for_ahead_batch = -1
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -290,6 +354,9 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
 
     def reset_prefix_cache(self) -> None:
         self.host.clear_cache()
+        self.ahead_batch_of_block.clear()  # the GPU blocks lost their hashes: no eviction will come
+        self.cached_this_step.clear()
+        self.cached_last_step.clear()
 
     def has_pending_work(self) -> bool:
         return bool(self.stores or self.loads)

@@ -76,11 +76,27 @@ def fake_model(tmp_path_factory) -> str:
 @dataclass
 class OffloadWorker(FakeWorker):
     """FakeWorker + the offloading connector's worker side over fingerprints. Loads land
-    `load_delay` steps after they are issued (0: in the same step, as on CPU)."""
+    `load_delay` steps after they are issued (0: in the same step, as on CPU). Ahead stores read
+    their GPU blocks `store_delay` steps after they are issued, after that step's forward (the
+    latest a side stream could), unless something orders them sooner: the stores the forward waits
+    for, a load (both come later on the same stream), or wait_for_ahead_batch. So a block reused
+    without waiting for its ahead store hands the host another prefix's fingerprint."""
 
     load_delay: int = 0
+    store_delay: int = 1
     host: dict[int, list[int | None]] = field(default_factory=dict)
     loading: list[tuple[str, int]] = field(default_factory=list)
+    # Ahead-store batches not read yet, in issue order: [batch, (gpu, host) pairs, steps left].
+    pending_ahead: list[list] = field(default_factory=list)
+
+    def _store(self, gpu_block: int, host_block: int) -> None:
+        bs = self.scheduler.block_size
+        self.host[host_block] = [self.kv_slots.get(gpu_block * bs + i) for i in range(bs)]
+
+    def _complete_ahead(self, through_batch: float) -> None:
+        while self.pending_ahead and self.pending_ahead[0][0] <= through_batch:
+            for g, h in self.pending_ahead.pop(0)[1]:
+                self._store(g, h)
 
     def execute(self, out) -> ModelRunnerOutput:
         meta = out.kv_connector_metadata
@@ -88,15 +104,28 @@ class OffloadWorker(FakeWorker):
         bs = self.scheduler.block_size
         if meta is not None and meta.payload:
             decoded = msgspec.msgpack.decode(meta.payload, type=OffloadingMetadata)
+            if decoded.stores:  # the forward waits for these, so for every earlier store too
+                self._complete_ahead(float("inf"))
             for copy in decoded.stores:  # before the forward: these blocks are reused in this step
                 for g, h in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True):
-                    self.host[h] = [self.kv_slots.get(g * bs + i) for i in range(bs)]
+                    self._store(g, h)
+            self._complete_ahead(decoded.wait_for_ahead_batch)
+            if decoded.ahead_stores:
+                pairs = [pair for copy in decoded.ahead_stores
+                         for pair in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True)]
+                self.pending_ahead.append([decoded.ahead_batch, pairs, self.store_delay])
+            if decoded.loads:  # loads wait for every store issued before them
+                self._complete_ahead(float("inf"))
             for copy in decoded.loads:
                 for g, h in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True):
                     for i, fingerprint in enumerate(self.host[h]):
                         self.kv_slots[g * bs + i] = fingerprint
                 self.loading.append((copy.req_id, self.load_delay))
         result = super().execute(out) if out.total_num_scheduled_tokens else ModelRunnerOutput([], [])
+        for batch in self.pending_ahead:
+            batch[2] -= 1
+        while self.pending_ahead and self.pending_ahead[0][2] < 0:  # read after this step's forward
+            self._complete_ahead(self.pending_ahead[0][0])
         still = []
         for req_id, delay in self.loading:
             if delay <= 0:
@@ -110,7 +139,7 @@ class OffloadWorker(FakeWorker):
 
 
 def make(fake_model: str, num_gpu_blocks: int, num_host_blocks: int | None, load_delay: int = 0,
-         **config) -> tuple[Scheduler, OffloadWorker]:
+         store_delay: int = 1, **config) -> tuple[Scheduler, OffloadWorker]:
     if num_host_blocks is not None:
         config["kv_offloading_size"] = num_host_blocks * 32 / (1 << 30)
     settings = dict(model=fake_model, dtype="float32", block_size=BLOCK_SIZE, max_num_batched_tokens=32)
@@ -118,7 +147,7 @@ def make(fake_model: str, num_gpu_blocks: int, num_host_blocks: int | None, load
     schedulers_in_test.append(scheduler)
     if num_host_blocks is not None:
         assert scheduler.connector.host.num_blocks == num_host_blocks
-    return scheduler, OffloadWorker(scheduler, load_delay=load_delay)
+    return scheduler, OffloadWorker(scheduler, load_delay=load_delay, store_delay=store_delay)
 
 
 def shared_prefix_requests(n: int, seed: int = 0, prefix_len: int = 24) -> list:
@@ -148,16 +177,25 @@ def assert_host_clean(scheduler: Scheduler) -> None:
 
 
 @pytest.mark.parametrize("load_delay", [0, 2])
-def test_spilled_prefixes_come_back_from_the_host_tier(fake_model: str, load_delay: int) -> None:
+@pytest.mark.parametrize("store_delay,copy_ahead", [(0, True), (3, True), (1, False)],
+                         ids=["ahead-stores-quick", "ahead-stores-slow", "spill-on-eviction-only"])
+def test_spilled_prefixes_come_back_from_the_host_tier(fake_model: str, load_delay: int, store_delay: int,
+                                                       copy_ahead: bool) -> None:
     # 16 GPU blocks hold about two requests: each round evicts the previous round's prefixes.
     reference_scheduler, reference_worker = make(fake_model, 16, None)
     reference = run_rounds(reference_scheduler, reference_worker, rounds=3)
 
-    scheduler, worker = make(fake_model, 16, 64, load_delay=load_delay)
+    scheduler, worker = make(fake_model, 16, 64, load_delay=load_delay, store_delay=store_delay)
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    connector.copy_ahead = copy_ahead
     results = run_rounds(scheduler, worker, rounds=3)
     assert results == reference
-    connector: OffloadingConnectorScheduler = scheduler.connector
     assert connector.num_spilled > 0 and connector.num_loaded_hits > 0
+    # Copying ahead, most blocks reach the host before their eviction; otherwise none does.
+    if copy_ahead:
+        assert connector.num_spilled_ahead > connector.num_spilled / 2
+    else:
+        assert connector.num_spilled_ahead == 0
     assert worker.num_computed_tokens_total < reference_worker.num_computed_tokens_total
     assert_host_clean(scheduler)
 

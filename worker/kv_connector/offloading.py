@@ -12,6 +12,8 @@ slower than recomputing on an H100).
 On CUDA the copies run on two side streams:
   stores: wait for the compute already queued (the blocks' last writes), copy out; the step's
           forward then waits for the stores (not for loads), since it may overwrite those blocks;
+          ahead stores (blocks not reused yet) follow them on the same stream, and only a later
+          step that reuses one of their blocks waits for them (wait_for_ahead_batch);
   loads:  wait for the compute already queued (earlier users of the destination blocks) and for
           the stores issued so far (a load may read a host block stored in the same step), then
           copy in while the forward computes; each load records an event, polled in get_finished.
@@ -73,7 +75,10 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         self.cuda = device.type == "cuda"
         self.store_stream = torch.cuda.Stream(device) if self.cuda else None
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None
+        # The last store recorded (loads wait for it: they may read host blocks stored just now).
         self.stores_done: torch.cuda.Event | None = None
+        # Batches of ahead stores (see core/kv_connector/offloading.py) not seen done yet.
+        self.ahead_events: dict[int, torch.cuda.Event] = {}
         # Loads issued and not reported yet: request id -> completion event (None on CPU: done).
         self.loads_in_flight: dict[str, torch.cuda.Event | None] = {}
 
@@ -177,23 +182,36 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
                 self._allocate_host_blocks(meta.num_host_blocks)
             else:
                 self._free_host_blocks()
-        if not meta.stores:
-            return
-        if not self.cuda:
-            for copy in meta.stores:
+        if not self.cuda:  # plain copies, in order, before the forward
+            for copy in (*meta.stores, *meta.ahead_stores):
                 self._copy(copy, to_host=True)
             return
         compute = torch.cuda.current_stream(self.device)
+        waited = self.ahead_events.pop(meta.wait_for_ahead_batch, None) if meta.wait_for_ahead_batch >= 0 else None
+        if waited is not None:  # the forward reuses blocks copied out in that batch (the stream is in order)
+            compute.wait_event(waited)
+        for batch in [batch for batch, event in self.ahead_events.items() if event.query()]:
+            del self.ahead_events[batch]  # done: a later wait for it is a no-op
+        if not meta.stores and not meta.ahead_stores:
+            return
         self.store_stream.wait_stream(compute)
         if self.config.tensor_parallel_size > 1:
             for event in self.loads_in_flight.values():
                 self.store_stream.wait_event(event)
-        with torch.cuda.stream(self.store_stream):
-            for copy in meta.stores:
-                self._copy(copy, to_host=True)
-        self.stores_done = torch.cuda.Event()
-        self.stores_done.record(self.store_stream)
-        compute.wait_event(self.stores_done)  # the forward may overwrite what the stores read
+        if meta.stores:
+            with torch.cuda.stream(self.store_stream):
+                for copy in meta.stores:
+                    self._copy(copy, to_host=True)
+            self.stores_done = torch.cuda.Event()
+            self.stores_done.record(self.store_stream)
+            compute.wait_event(self.stores_done)  # the forward may overwrite what the stores read
+        if meta.ahead_stores:  # after the ones the forward waits for, and not waited for here
+            with torch.cuda.stream(self.store_stream):
+                for copy in meta.ahead_stores:
+                    self._copy(copy, to_host=True)
+            self.stores_done = torch.cuda.Event()
+            self.stores_done.record(self.store_stream)
+            self.ahead_events[meta.ahead_batch] = self.stores_done
 
     def start_load_kv(self, scheduler_output: SchedulerOutput) -> None:
         meta: OffloadingMetadata | None = self.connector_metadata
