@@ -79,8 +79,9 @@ class OffloadWorker(FakeWorker):
     `load_delay` steps after they are issued (0: in the same step, as on CPU). Ahead stores read
     their GPU blocks `store_delay` steps after they are issued, after that step's forward (the
     latest a side stream could), unless something orders them sooner: the stores the forward waits
-    for, a load (both come later on the same stream), or wait_for_ahead_batch. So a block reused
-    without waiting for its ahead store hands the host another prefix's fingerprint."""
+    for (later on the same stream) or wait_for_ahead_batch. Loads do not wait for them (as on CUDA).
+    So a block reused without waiting for its ahead store hands the host another prefix's
+    fingerprint, and a load that reads a host block whose store has not run reads a stale one."""
 
     load_delay: int = 0
     store_delay: int = 1
@@ -114,8 +115,6 @@ class OffloadWorker(FakeWorker):
                 pairs = [pair for copy in decoded.ahead_stores
                          for pair in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True)]
                 self.pending_ahead.append([decoded.ahead_batch, pairs, self.store_delay])
-            if decoded.loads:  # loads wait for every store issued before them
-                self._complete_ahead(float("inf"))
             for copy in decoded.loads:
                 for g, h in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True):
                     for i, fingerprint in enumerate(self.host[h]):

@@ -75,7 +75,9 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         self.cuda = device.type == "cuda"
         self.store_stream = torch.cuda.Stream(device) if self.cuda else None
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None
-        # The last store recorded (loads wait for it: they may read host blocks stored just now).
+        # The last stores the forward waited for (loads wait for them too: they may read host
+        # blocks stored just now). Not ahead stores: a load reads a host block only once its GPU
+        # block was evicted, and that step's forward, which the loads queue behind, waited for it.
         self.stores_done: torch.cuda.Event | None = None
         # Batches of ahead stores (see core/kv_connector/offloading.py) not seen done yet.
         self.ahead_events: dict[int, torch.cuda.Event] = {}
@@ -209,9 +211,9 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
             with torch.cuda.stream(self.store_stream):
                 for copy in meta.ahead_stores:
                     self._copy(copy, to_host=True)
-            self.stores_done = torch.cuda.Event()
-            self.stores_done.record(self.store_stream)
-            self.ahead_events[meta.ahead_batch] = self.stores_done
+            event = torch.cuda.Event()
+            event.record(self.store_stream)
+            self.ahead_events[meta.ahead_batch] = event
 
     def start_load_kv(self, scheduler_output: SchedulerOutput) -> None:
         meta: OffloadingMetadata | None = self.connector_metadata
