@@ -164,6 +164,8 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         self.lookahead_blocks = cdiv(config.max_num_batched_tokens, self.block_size)
         self.next_ahead_batch = 0
         self.ahead_batch_of_block: dict[int, int] = {}
+        # And the batch each host slot was last written by ahead (a load from it waits for that).
+        self.ahead_batch_of_slot: dict[int, int] = {}
         self.wait_for_ahead_batch = -1
         # Blocks registered in the prefix cache during this step's / the last step's scheduling
         # (with the hash they got): the last step's are computed by the time this step's
@@ -205,6 +207,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         self.num_spilled += 1
 
     def _add_store(self, gpu_block_id: int, host_block_id: int) -> None:
+        self.ahead_batch_of_slot.pop(host_block_id, None)  # this store is waited for in its own step
         if not self.stores:
             self.stores.append(BlockCopy([], []))
         self.stores[0].gpu_block_ids.append(gpu_block_id)
@@ -286,6 +289,12 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
                 self.host.touch(block_hash)
             self.num_loaded_hits += num_blocks
         self.loading[request.request_id] = (slots, is_swap)
+        # A slot copied ahead whose GPU block was never evicted (so nothing waited for the copy
+        # yet): the loads run behind this step's forward, so the forward waits for that batch.
+        for slot in slots:
+            batch = self.ahead_batch_of_slot.get(slot)
+            if batch is not None:
+                self.wait_for_ahead_batch = max(self.wait_for_ahead_batch, batch)
         self.loads.append(BlockCopy(gpu_block_ids, slots, request.request_id))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -322,6 +331,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
             copy.gpu_block_ids.append(block.block_id)
             copy.host_block_ids.append(slots[0])
             self.ahead_batch_of_block[block.block_id] = self.next_ahead_batch
+            self.ahead_batch_of_slot[slots[0]] = self.next_ahead_batch
         if not copy.gpu_block_ids:
             return None
         self.num_spilled += len(copy.gpu_block_ids)
@@ -355,6 +365,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
     def reset_prefix_cache(self) -> None:
         self.host.clear_cache()
         self.ahead_batch_of_block.clear()  # the GPU blocks lost their hashes: no eviction will come
+        self.ahead_batch_of_slot.clear()  # (the slots still in use belong to loads that waited already)
         self.cached_this_step.clear()
         self.cached_last_step.clear()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
+from minivllm.core.block_pool import hash_request_blocks
 from minivllm.core.kv_connector.offloading import HostBlockPool, OffloadingConnectorScheduler
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler
@@ -117,6 +118,7 @@ class OffloadWorker(FakeWorker):
                 self.pending_ahead.append([decoded.ahead_batch, pairs, self.store_delay])
             for copy in decoded.loads:
                 for g, h in zip(copy.gpu_block_ids, copy.host_block_ids, strict=True):
+                    assert h in self.host, f"a load reads host block {h} before any store to it landed"
                     for i, fingerprint in enumerate(self.host[h]):
                         self.kv_slots[g * bs + i] = fingerprint
                 self.loading.append((copy.req_id, self.load_delay))
@@ -292,3 +294,24 @@ def test_loaded_requests_waiting_for_a_seat_never_starve_a_running_one(fake_mode
         assert got == expected
     assert scheduler.connector.num_loaded_hits > 0
     assert_host_clean(scheduler)
+
+
+def test_a_load_from_a_block_copied_ahead_waits_for_that_copy(fake_model: str) -> None:
+    """A prefix's first block leaves the GPU while a later one stays (its copy made ahead, in a
+    later batch than the first's, and not waited for by any eviction): a request that loads them
+    from the host must wait for the later copy too, or it reads a stale host block."""
+    prompt = list(range(10, 58))  # 12 blocks: computed in two chunks (budget 32), copied in two batches
+    scheduler, worker = make(fake_model, 32, 64, store_delay=1000)  # copies never land by themselves
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    scheduler.add_request(make_request("a", prompt_token_ids=prompt, max_tokens=2, ignore_eos=True))
+    run(scheduler, worker)
+    assert connector.next_ahead_batch >= 2 and worker.pending_ahead
+
+    scheduler.add_request(make_request("b", prompt_token_ids=prompt, max_tokens=2, ignore_eos=True))
+    pool = scheduler.kv_cache_manager.block_pool
+    first = pool.get_cached_block(hash_request_blocks(prompt, BLOCK_SIZE)[0])
+    pool.free_block_queue.remove(first)  # evict only the first block, as allocation would
+    pool._evict(first)
+    pool.free_block_queue.appendleft(first)
+    assert len(tokens(run(scheduler, worker)["b"])) == 2  # and it attended to its own prefix (the worker checks)
+    assert connector.num_loaded_hits == len(prompt) // BLOCK_SIZE - 1  # all but the last block's logits
