@@ -16,7 +16,9 @@ every layer). It serves two uses:
   copied (freed and reused at once) is copied in the step that reuses it, which waits.
 * swap: a preempted request's blocks (all of them, the last partly filled one included) are
   copied to host blocks it owns, and copied back when it is admitted again, instead of recomputed.
-  Swap blocks are never evicted; when the host tier cannot make room the request is recomputed.
+  Full blocks the tier holds already (copied ahead) are not copied again: the request pins those
+  host blocks instead. Swap blocks are never evicted; when the host tier cannot make room the
+  request is recomputed.
 
 Loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS while its blocks are copied
 in beside the running steps' compute. Host blocks being read by a load are pinned (not evicted)
@@ -148,8 +150,10 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
                                config.kv_offloading_size, bytes_per_block)
         self.host = HostBlockPool(num_host_blocks)
         self.swap = config.preemption_mode == "swap"
-        # Swapped-out requests: id -> (their host slots, tokens whose KV those hold).
+        # Swapped-out requests: id -> (their host slots, tokens whose KV those hold). A slot is
+        # either owned by the swap (in swap_owned; freed when released) or a cached one it pinned.
         self.swapped: dict[str, tuple[list[int], int]] = {}
+        self.swap_owned: set[int] = set()
         # What get_num_new_matched_tokens offered, for update_state_after_alloc:
         # id -> (host slots to load, first block index, whether they are the request's swap slots).
         self.offers: dict[str, tuple[list[int], int, bool]] = {}
@@ -176,6 +180,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         # Counters (blocks), for tests and benchmarks.
         self.num_spilled = self.num_swapped_out = self.num_loaded_hits = self.num_swapped_in = 0
         self.num_spilled_ahead = 0  # of num_spilled
+        self.num_swap_shared = 0  # blocks swapped out by pinning a cached host block (not in num_swapped_out)
 
     # ------------------------------------------------------------------ spills
 
@@ -218,18 +223,41 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
     def request_preempted(self, request: "Request", block_ids: list[int], num_computed_tokens: int) -> None:
         stale = self.swapped.pop(request.request_id, None)  # resumed without loading it back
         if stale is not None:
-            self.host.free(stale[0])
+            self._release_swap_slots(stale[0])
         if not self.swap or num_computed_tokens <= 0:
             return
         num_blocks = cdiv(num_computed_tokens, self.block_size)
-        slots = self.host.allocate(num_blocks)
-        if slots is None:
+        # Full blocks whose KV the host holds under their hash (copied ahead): pinned, not copied.
+        shared: dict[int, int] = {}
+        for index, block_hash in enumerate(request.block_hashes[:num_computed_tokens // self.block_size]):
+            slot = self.host.lookup(block_hash)
+            if slot is not None:
+                shared[index] = slot
+        self.host.pin(list(shared.values()))  # before allocating: that may evict cached slots
+        owned = self.host.allocate(num_blocks - len(shared))
+        if owned is None:
+            self.host.unpin(list(shared.values()))
             logger.debug("no host room to swap out %s (%d blocks): it will be recomputed", request.request_id, num_blocks)
             return
-        for gpu_block_id, slot in zip(block_ids[:num_blocks], slots):
-            self._add_store(gpu_block_id, slot)
+        self.swap_owned.update(owned)
+        owned_slots = iter(owned)
+        slots = []
+        for index, gpu_block_id in enumerate(block_ids[:num_blocks]):
+            if index in shared:
+                slots.append(shared[index])
+            else:
+                slots.append(next(owned_slots))
+                self._add_store(gpu_block_id, slots[-1])
         self.swapped[request.request_id] = (slots, num_computed_tokens)
-        self.num_swapped_out += num_blocks
+        self.num_swapped_out += len(owned)
+        self.num_swap_shared += len(shared)
+
+    def _release_swap_slots(self, slots: list[int]) -> None:
+        """Give back a swap's host slots: free the ones it owned, unpin the cached ones it shared."""
+        owned = [slot for slot in slots if slot in self.swap_owned]
+        self.swap_owned.difference_update(owned)
+        self.host.free(owned)
+        self.host.unpin([slot for slot in slots if slot not in owned])
 
     # ------------------------------------------------------------------ loads
 
@@ -243,7 +271,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
             target = min(num_swapped_tokens, request.num_tokens - 1)
             if target <= num_computed_tokens:  # the GPU prefix cache still holds it all
                 del self.swapped[request_id]
-                self.host.free(slots)
+                self._release_swap_slots(slots)
                 return 0, False
             self.offers[request_id] = (slots[first_block:cdiv(target, self.block_size)], first_block, True)
             return target - num_computed_tokens, True
@@ -281,7 +309,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
             # prefix cache still held were not needed), the loaded ones once the load is done.
             all_slots, _ = self.swapped.pop(request.request_id)
             loaded = set(slots)
-            self.host.free([slot for slot in all_slots if slot not in loaded])
+            self._release_swap_slots([slot for slot in all_slots if slot not in loaded])
             self.num_swapped_in += num_blocks
         else:
             self.host.unpin(offered[num_blocks:])  # offered but not taken (the scheduler clamped)
@@ -303,7 +331,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
             if loading is not None:
                 slots, is_swap = loading
                 if is_swap:
-                    self.host.free(slots)
+                    self._release_swap_slots(slots)
                 else:
                     self.host.unpin(slots)
 
@@ -359,7 +387,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         self._withdraw_offer(request.request_id)
         swapped = self.swapped.pop(request.request_id, None)
         if swapped is not None:
-            self.host.free(swapped[0])
+            self._release_swap_slots(swapped[0])
         return False, None
 
     def reset_prefix_cache(self) -> None:

@@ -173,6 +173,7 @@ def assert_host_clean(scheduler: Scheduler) -> None:
     connector: OffloadingConnectorScheduler = scheduler.connector
     host = connector.host
     assert connector.swapped == {} and connector.loading == {} and connector.offers == {} and host.pins == {}
+    assert connector.swap_owned == set()
     assert len(host.free_slots) + len(host.lru) == host.num_blocks
     assert len(set(host.free_slots) | set(host.lru.values())) == host.num_blocks  # no slot twice
 
@@ -203,14 +204,15 @@ def test_spilled_prefixes_come_back_from_the_host_tier(fake_model: str, load_del
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "v0"])
 @pytest.mark.parametrize("load_delay,pipelined", [(0, False), (1, False), (1, True)])
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_swap_preemption_matches_recompute_and_computes_less(fake_model: str, policy: str, load_delay: int,
-                                                             pipelined: bool) -> None:
+                                                             pipelined: bool, prefix_caching: bool) -> None:
     def requests():
         return [make_request(f"r{i}", num_prompt_tokens=10 + 3 * i, max_tokens=20, ignore_eos=True, priority=i % 3)
                 for i in range(8)]
 
     budget = {"max_num_batched_tokens": 128} if policy == "v0" else {}
-    settings = dict(scheduling_policy=policy, enable_prefix_caching=False, max_model_len=128, **budget)
+    settings = dict(scheduling_policy=policy, enable_prefix_caching=prefix_caching, max_model_len=128, **budget)
     recompute, recompute_worker = make(fake_model, 20, None, **settings)
     for request in requests():
         recompute.add_request(request)
@@ -225,6 +227,8 @@ def test_swap_preemption_matches_recompute_and_computes_less(fake_model: str, po
     connector: OffloadingConnectorScheduler = scheduler.connector
     assert scheduler.num_preemptions > 0 and connector.num_swapped_in > 0
     assert worker.num_computed_tokens_total < recompute_worker.num_computed_tokens_total
+    # With the prefix cache, full blocks copied ahead are swapped out by pinning, not copied again.
+    assert (connector.num_swap_shared > 0) == prefix_caching
     assert_host_clean(scheduler)
 
 
@@ -238,8 +242,10 @@ def test_swap_without_host_room_falls_back_to_recompute(fake_model: str) -> None
     assert_host_clean(scheduler)
 
 
-def test_abort_while_swapped_out_and_while_swapping_in_frees_everything(fake_model: str) -> None:
-    scheduler, worker = make(fake_model, 12, 100, load_delay=3, preemption_mode="swap", enable_prefix_caching=False)
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_abort_while_swapped_out_and_while_swapping_in_frees_everything(fake_model: str, prefix_caching: bool) -> None:
+    scheduler, worker = make(fake_model, 12, 100, load_delay=3, preemption_mode="swap",
+                             enable_prefix_caching=prefix_caching)
     for i in range(4):
         scheduler.add_request(make_request(f"r{i}", num_prompt_tokens=12, max_tokens=16, ignore_eos=True))
     connector: OffloadingConnectorScheduler = scheduler.connector
