@@ -50,6 +50,14 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def _sort_by_host_block(copy: BlockCopy) -> None:
+    """Order a store's pairs by host block: the worker moves each run of consecutive host blocks
+    with one DMA, and blocks the LRU gives up together are often neighbours."""
+    pairs = sorted(zip(copy.host_block_ids, copy.gpu_block_ids))
+    copy.host_block_ids = [host for host, _ in pairs]
+    copy.gpu_block_ids = [gpu for _, gpu in pairs]
+
+
 class HostBlockPool:
     """Host block slots: free ones, an LRU of cached ones (hash -> slot; evictable unless pinned),
     and ones owned by a swapped-out request (never evicted)."""
@@ -363,6 +371,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         if not copy.gpu_block_ids:
             return None
         self.num_spilled += len(copy.gpu_block_ids)
+        _sort_by_host_block(copy)
         self.num_spilled_ahead += len(copy.gpu_block_ids)
         return copy
 
@@ -371,6 +380,8 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         if not self.stores and not self.loads and ahead is None and self.wait_for_ahead_batch < 0 and self.sent_size:
             return None
         self.sent_size = True  # the first step's metadata makes the workers allocate the host blocks
+        for copy in self.stores:
+            _sort_by_host_block(copy)
         meta = OffloadingMetadata(self.host.num_blocks, self.stores, self.loads,
                                   ahead_stores=[] if ahead is None else [ahead],
                                   ahead_batch=-1 if ahead is None else self.next_ahead_batch,
