@@ -201,19 +201,19 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
             for event in self.loads_in_flight.values():
                 self.store_stream.wait_event(event)
         if meta.stores:
-            with torch.cuda.stream(self.store_stream):
-                for copy in meta.stores:
-                    self._copy(copy, to_host=True)
-            self.stores_done = torch.cuda.Event()
-            self.stores_done.record(self.store_stream)
+            self.stores_done = self._store(meta.stores)
             compute.wait_event(self.stores_done)  # the forward may overwrite what the stores read
         if meta.ahead_stores:  # after the ones the forward waits for, and not waited for here
-            with torch.cuda.stream(self.store_stream):
-                for copy in meta.ahead_stores:
-                    self._copy(copy, to_host=True)
-            event = torch.cuda.Event()
-            event.record(self.store_stream)
-            self.ahead_events[meta.ahead_batch] = event
+            self.ahead_events[meta.ahead_batch] = self._store(meta.ahead_stores)
+
+    def _store(self, copies: list[BlockCopy]) -> torch.cuda.Event:
+        """Queue copies out on the store stream; the event marks their end."""
+        with torch.cuda.stream(self.store_stream):
+            for copy in copies:
+                self._copy(copy, to_host=True)
+        event = torch.cuda.Event()
+        event.record(self.store_stream)
+        return event
 
     def start_load_kv(self, scheduler_output: SchedulerOutput) -> None:
         meta: OffloadingMetadata | None = self.connector_metadata
