@@ -19,9 +19,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minivllm.worker import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from minivllm.worker.attention.triton_attention import store_kv_args, store_token_kv
 except ImportError:  # CPU-only torch builds have no Triton: the torch versions serve
@@ -85,13 +89,17 @@ if triton is not None:
                           DIM_PADDED: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
                           NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                          MIN_SCALE: tl.constexpr):
+                          MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # (worker/pdl.py) positions are a step input and cos/sin constant: read before waiting
+            gdc_launch_dependents()
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + token).to(tl.int64)
         half = tl.arange(0, HALF_PADDED)
         half_mask = half < HALF_ROT
         cos = tl.load(cos_ptr + pos * HALF_ROT + half, mask=half_mask, other=1.0)
         sin = tl.load(sin_ptr + pos * HALF_ROT + half, mask=half_mask, other=0.0)
+        if PDL:
+            gdc_wait()
         heads = tl.arange(0, HEADS_PADDED)
         dims = tl.arange(0, DIM_PADDED)
         for which in tl.static_range(2):
@@ -202,7 +210,7 @@ def norm_rope(
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF_ROT=half_rot,
         HEADS_PADDED=triton.next_power_of_2(num_q_heads), HALF_PADDED=triton.next_power_of_2(half_rot),
         DIM_PADDED=triton.next_power_of_2(head_dim), HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
-        **store_constants, num_warps=4,
+        **store_constants, num_warps=4, **pdl.launch_options(q.device),
     )
     return q, k
 

@@ -28,13 +28,17 @@ import os
 
 import torch
 
+from minivllm.worker import pdl
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only torch builds
     triton = None
 
 ENABLED = os.environ.get("MINIVLLM_SMALL_BATCH_GEMM", "1") != "0"  # "0": cuBLAS for every row count
+
 MAX_ROWS = 1  # from 2 rows on, cuBLAS's tensor-core tiles are as fast (benchmarks/small_batch_gemm.py)
 _MIN_PROGRAMS = 1024  # ~8 per multiprocessor on an H100 (132): enough loads in flight
 _WEIGHTS_PER_CHUNK = 4096  # weights one program loads per loop step (BLOCK_N x BLOCK_K)
@@ -54,11 +58,40 @@ PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
 if triton is not None:
 
     @triton.jit
+    def _gemv_chunk(acc, sum_squares, w, k0, x_ptr, residual_ptr, summed_ptr, norm_weight_ptr, rows, row_mask, ks,
+                    K, stride_x, stride_residual, PROLOGUE: tl.constexpr):
+        """Add one BLOCK_K-wide chunk of weights (w, already loaded) times the same chunk of x."""
+        k = k0 + ks
+        k_mask = k < K
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        x_offs = rows[:, None] * stride_x + k[None, :]
+        if PROLOGUE == 1:  # SILU_MUL: x is gate | up, K wide each; rounded as ops.silu_and_mul does
+            gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + x_offs + K, mask=x_mask, other=0.0)
+            xv = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+        else:
+            xv = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        if PROLOGUE == 3:  # ADD_RMS_NORM: s = x + residual, in the stream's dtype
+            xv = xv + tl.load(residual_ptr + rows[:, None] * stride_residual + k[None, :], mask=x_mask, other=0.0)
+            tl.store(summed_ptr + rows[:, None] * K + k[None, :], xv, mask=x_mask & (tl.program_id(0) == 0))
+        xv = xv.to(tl.float32)
+        if PROLOGUE >= 2:  # RMS_NORM / ADD_RMS_NORM: s * g now, / rms(s) at the end
+            sum_squares += tl.sum(xv * xv, axis=1)
+            xv = xv * tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * xv[:, None, :], axis=2)
+        return acc, sum_squares
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, residual_ptr, summed_ptr, norm_weight_ptr,
                      M, N, K, stride_x, stride_residual, stride_out, eps,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     PROLOGUE: tl.constexpr):
-        """Columns [pid * BLOCK_N, +BLOCK_N) of all M (<= ROWS) rows: each weight is read once."""
+                     PROLOGUE: tl.constexpr, PDL: tl.constexpr):
+        """Columns [pid * BLOCK_N, +BLOCK_N) of all M (<= ROWS) rows: each weight is read once.
+
+        PDL (worker/pdl.py): the weights are no kernel's output, so the first chunk of them is
+        loaded before waiting for the kernel before; x, the residual and every store come after."""
+        if PDL:
+            gdc_launch_dependents()  # the next kernel may start loading its weights too
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         rows = tl.arange(0, ROWS)
@@ -67,27 +100,20 @@ if triton is not None:
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         sum_squares = tl.zeros((ROWS,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        # read once: evict_first keeps L2 for activations
+        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if PDL:
+            gdc_wait()
+        acc, sum_squares = _gemv_chunk(acc, sum_squares, w, 0, x_ptr, residual_ptr, summed_ptr, norm_weight_ptr,
+                                       rows, row_mask, ks, K, stride_x, stride_residual, PROLOGUE)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + ks
-            k_mask = k < K
-            x_mask = row_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")  # read once: keep L2 for activations
-            x_offs = rows[:, None] * stride_x + k[None, :]
-            if PROLOGUE == 1:  # SILU_MUL: x is gate | up, K wide each; rounded as ops.silu_and_mul does
-                gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + x_offs + K, mask=x_mask, other=0.0)
-                xv = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
-            else:
-                xv = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-            if PROLOGUE == 3:  # ADD_RMS_NORM: s = x + residual, in the stream's dtype
-                xv = xv + tl.load(residual_ptr + rows[:, None] * stride_residual + k[None, :], mask=x_mask, other=0.0)
-                tl.store(summed_ptr + rows[:, None] * K + k[None, :], xv, mask=x_mask & (tl.program_id(0) == 0))
-            xv = xv.to(tl.float32)
-            if PROLOGUE >= 2:  # RMS_NORM / ADD_RMS_NORM: s * g now, / rms(s) at the end
-                sum_squares += tl.sum(xv * xv, axis=1)
-                xv = xv * tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            acc += tl.sum(w.to(tl.float32)[None, :, :] * xv[:, None, :], axis=2)
+            w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & (k < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc, sum_squares = _gemv_chunk(acc, sum_squares, w, k0, x_ptr, residual_ptr, summed_ptr,
+                                           norm_weight_ptr, rows, row_mask, ks, K, stride_x, stride_residual,
+                                           PROLOGUE)
         if PROLOGUE >= 2:
             acc = acc * tl.rsqrt(sum_squares / K + eps)[:, None]
         if HAS_BIAS:
@@ -118,7 +144,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         norm_weight if norm_weight is not None else weight,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        PROLOGUE=prologue, num_warps=_NUM_WARPS,
+        PROLOGUE=prologue, num_warps=_NUM_WARPS, **pdl.launch_options(x.device),
     )
     return out
 

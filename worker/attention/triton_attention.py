@@ -40,7 +40,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from minivllm.worker import pdl
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
 from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionBackend, AttentionMetadata
 
@@ -266,7 +268,7 @@ def _paged_decode_kernel(
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr,
-    FP8: tl.constexpr, MIXED: tl.constexpr,
+    FP8: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Decode-only steps (one query token per sequence): program (seq, kv_head, split) attends the
     HEADS_PER_KV query heads of that KV head (rows of a tensor-core tile padded to GROUP_PADDED)
@@ -275,7 +277,13 @@ def _paged_decode_kernel(
     its partial softmax state, and _combine_splits_kernel merges them.
 
     MIXED: a step with prefill chunks too, whose one-token sequences this kernel takes (their
-    query row is query_start_loc[seq]; the others are _paged_attention_kernel's). One split only."""
+    query row is query_start_loc[seq]; the others are _paged_attention_kernel's). One split only.
+
+    PDL (worker/pdl.py): the step's inputs (lengths, block tables) are read before waiting for the
+    kernel before, which writes the query and the newest keys and values. Not with MIXED (whose
+    programs may return before they would wait)."""
+    if PDL:
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -290,6 +298,8 @@ def _paged_decode_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     key_lo = split * tiles_per_split * BLOCK_N
     key_hi = tl.minimum(seq_len, key_lo + tiles_per_split * BLOCK_N)
+    if PDL:
+        gdc_wait()
 
     offs_g = tl.arange(0, GROUP_PADDED)
     g_valid = offs_g < HEADS_PER_KV
@@ -492,6 +502,7 @@ def decode_attention(
         BLOCK_SIZE=layout.block_size, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, MIXED=mixed,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **(pdl.launch_options(query.device) if not mixed else {"PDL": False}),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
