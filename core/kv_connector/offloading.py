@@ -403,8 +403,11 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
 
     def reset_prefix_cache(self) -> None:
         self.host.clear_cache()
-        self.ahead_batch_of_block.clear()  # the GPU blocks lost their hashes: no eviction will come
-        self.ahead_batch_of_slot.clear()  # (the slots still in use belong to loads that waited already)
+        # The GPU blocks lose their hashes, so no eviction will say when one copied ahead is
+        # reused: the next forward waits for every copy made ahead so far (loads queue behind it).
+        self.wait_for_ahead_batch = max(self.wait_for_ahead_batch, self.next_ahead_batch - 1)
+        self.ahead_batch_of_block.clear()
+        self.ahead_batch_of_slot.clear()
         self.cached_this_step.clear()
         self.cached_last_step.clear()
 

@@ -275,6 +275,15 @@ def test_reset_prefix_cache_empties_the_host_tier(fake_model: str) -> None:
     assert scheduler.reset_prefix_cache()
     assert not scheduler.connector.host.lru
     assert_host_clean(scheduler)
+    # The GPU blocks lost their hashes (no eviction will report their reuse): the next step that
+    # reaches the worker waits for every copy made ahead so far.
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    assert connector.next_ahead_batch > 0
+    scheduler.add_request(make_request("after-reset", num_prompt_tokens=9, max_tokens=2, ignore_eos=True))
+    out = scheduler.schedule()
+    meta = msgspec.msgpack.decode(out.kv_connector_metadata.payload, type=OffloadingMetadata)
+    assert meta.wait_for_ahead_batch == connector.next_ahead_batch - 1 - (1 if meta.ahead_stores else 0)
+    scheduler.update_from_output(out, worker.execute(out))
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
