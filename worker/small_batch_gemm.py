@@ -38,7 +38,6 @@ except ImportError:  # CPU-only torch builds
     triton = None
 
 ENABLED = os.environ.get("MINIVLLM_SMALL_BATCH_GEMM", "1") != "0"  # "0": cuBLAS for every row count
-
 MAX_ROWS = 1  # from 2 rows on, cuBLAS's tensor-core tiles are as fast (benchmarks/small_batch_gemm.py)
 _MIN_PROGRAMS = 1024  # ~8 per multiprocessor on an H100 (132): enough loads in flight
 _WEIGHTS_PER_CHUNK = 4096  # weights one program loads per loop step (BLOCK_N x BLOCK_K)
@@ -56,6 +55,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
 PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
 
 if triton is not None:
+
+    @triton.jit
+    def _load_weights(w_rows, k0, ks, col_mask, K):
+        """One BLOCK_K-wide chunk of the program's weight rows; read once: evict_first keeps L2 for
+        activations."""
+        k = k0 + ks
+        return tl.load(w_rows + k[None, :], mask=col_mask[:, None] & (k < K)[None, :], other=0.0,
+                       eviction_policy="evict_first")
 
     @triton.jit
     def _gemv_chunk(acc, sum_squares, w, k0, x_ptr, residual_ptr, summed_ptr, norm_weight_ptr, rows, row_mask, ks,
@@ -100,17 +107,13 @@ if triton is not None:
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         sum_squares = tl.zeros((ROWS,), dtype=tl.float32)
-        # read once: evict_first keeps L2 for activations
-        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        w = _load_weights(w_rows, 0, ks, col_mask, K)
         if PDL:
             gdc_wait()
         acc, sum_squares = _gemv_chunk(acc, sum_squares, w, 0, x_ptr, residual_ptr, summed_ptr, norm_weight_ptr,
                                        rows, row_mask, ks, K, stride_x, stride_residual, PROLOGUE)
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + ks
-            w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & (k < K)[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _load_weights(w_rows, k0, ks, col_mask, K)
             acc, sum_squares = _gemv_chunk(acc, sum_squares, w, k0, x_ptr, residual_ptr, summed_ptr,
                                            norm_weight_ptr, rows, row_mask, ks, K, stride_x, stride_residual,
                                            PROLOGUE)

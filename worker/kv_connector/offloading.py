@@ -70,7 +70,7 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         super().__init__(config, rank, device)
         self.host_blocks: torch.Tensor | None = None
         self.registered = False  # host_blocks pinned by cudaHostRegister
-        self.blocks_first: torch.Tensor | None = None  # see _blocks_first_view
+        self.blocks_first: torch.Tensor | None = None  # the caches, block-major (_blocks_first_view)
         self.staging: dict[bool, torch.Tensor] = {}
         self.cuda = device.type == "cuda"
         self.store_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -89,35 +89,30 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         self.blocks_first = self._blocks_first_view()
         # Allocate (and pin) the host tier now, at start-up: pinning GiBs of host memory takes
         # seconds, which on the first step would stall the first requests served.
-        layer = kv_caches[0]
-        bytes_per_block = len(kv_caches) * layer[:, 0].numel() * layer.element_size()
+        bytes_per_block = self.blocks_first[0].numel() * self.blocks_first.element_size()
         num_host_blocks = int(self.config.kv_offloading_size * (1 << 30)) // bytes_per_block
         if num_host_blocks:
             self._allocate_host_blocks(num_host_blocks)
 
     def _allocate_host_blocks(self, num_host_blocks: int) -> None:
-        layer = self.kv_caches[0]
-        if any(cache.shape != layer.shape or cache.dtype != layer.dtype for cache in self.kv_caches):
-            raise ValueError("the CPU offload tier needs every layer's KV cache to have one shape and dtype")
         self._free_host_blocks()
-        # A block of every layer: [num_layers, 2, block_size, ...].
-        block_shape = (len(self.kv_caches), layer.shape[0], *layer.shape[2:])
+        block_shape = self.blocks_first.shape[1:]  # a block of every layer: [num_layers, 2, block_size, ...]
+        dtype = self.blocks_first.dtype
         start = time.perf_counter()
-        self.host_blocks = torch.empty((num_host_blocks, *block_shape), dtype=layer.dtype)
+        self.host_blocks = torch.empty((num_host_blocks, *block_shape), dtype=dtype)
+        size = self.host_blocks.numel() * self.host_blocks.element_size()
         if self.cuda:
             _touch_in_threads(self.host_blocks)
             # Pinned by registering the tensor's own pages: pin_memory=True would round the
             # allocation up to a power of two (PyTorch's caching host allocator), up to 2x the size asked.
-            size = self.host_blocks.numel() * self.host_blocks.element_size()
             err = torch.cuda.cudart().cudaHostRegister(self.host_blocks.data_ptr(), size, 0)
             if int(err) != 0:
                 raise RuntimeError(f"could not pin {size / (1 << 30):.2f} GiB of host memory for the CPU offload "
                                    f"tier (cudaHostRegister error {int(err)}): lower kv_offloading_size")
             self.registered = True
         # One staging buffer per side stream (stores and loads may run at once).
-        self.staging = {to_host: torch.empty((STAGING_BLOCKS, *block_shape), dtype=layer.dtype, device=self.device)
+        self.staging = {to_host: torch.empty((STAGING_BLOCKS, *block_shape), dtype=dtype, device=self.device)
                         for to_host in (True, False)}
-        size = self.host_blocks.numel() * self.host_blocks.element_size()
         logger.info("CPU offload tier: %d host blocks, %.2f GiB%s, in %.1f s", num_host_blocks, size / (1 << 30),
                     " pinned" if self.cuda else "", time.perf_counter() - start)
 
@@ -127,19 +122,18 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         self.registered = False
         self.host_blocks = None
 
-    def _blocks_first_view(self) -> torch.Tensor | None:
+    def _blocks_first_view(self) -> torch.Tensor:
         """The layers' caches as one view [num_blocks, num_layers, 2, ...] (block-major, like a host
-        block) when they are views of one tensor at a constant layer stride (the model runner
-        allocates them so), else None."""
+        block), so that a copy moves every layer's K and V of its blocks in one indexing op. They
+        must be views of one tensor at a constant layer stride (KVCacheLayout.allocate_layers)."""
         first = self.kv_caches[0]
-        if len(self.kv_caches) == 1:
-            return first.unsqueeze(0).transpose(0, 2).transpose(1, 2)
-        layer_stride = self.kv_caches[1].storage_offset() - first.storage_offset()
+        layer_stride = self.kv_caches[1].storage_offset() - first.storage_offset() if len(self.kv_caches) > 1 else 0
         for i, cache in enumerate(self.kv_caches):
             if (cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
                     or cache.storage_offset() != first.storage_offset() + i * layer_stride
-                    or cache.stride() != first.stride()):
-                return None
+                    or cache.shape != first.shape or cache.stride() != first.stride() or cache.dtype != first.dtype):
+                raise ValueError("the CPU offload tier needs the layers' KV caches as views of one tensor "
+                                 "(KVCacheLayout.allocate_layers)")
         stacked = first.as_strided((len(self.kv_caches), *first.shape), (layer_stride, *first.stride()),
                                    first.storage_offset())
         return stacked.transpose(0, 2).transpose(1, 2)  # [L, 2, blocks, ...] -> [blocks, L, 2, ...]
@@ -154,11 +148,7 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
             host_runs = block_runs(list(range(len(index))), copy.host_block_ids[at:at + STAGING_BLOCKS])
             stage = staging[:len(index)]
             if to_host:
-                if self.blocks_first is not None:  # every layer's K and V in one gather
-                    torch.index_select(self.blocks_first, 0, index, out=stage)
-                else:
-                    for i, layer in enumerate(self.kv_caches):  # layer [2, blocks, ...] -> stage[:, i] [n, 2, ...]
-                        stage[:, i] = layer[:, index].transpose(0, 1)
+                torch.index_select(self.blocks_first, 0, index, out=stage)  # every layer's K and V at once
                 for first, host_start, length in host_runs:
                     self.host_blocks[host_start:host_start + length].copy_(stage[first:first + length],
                                                                            non_blocking=self.cuda)
@@ -166,11 +156,7 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
                 for first, host_start, length in host_runs:
                     stage[first:first + length].copy_(self.host_blocks[host_start:host_start + length],
                                                       non_blocking=self.cuda)
-                if self.blocks_first is not None:
-                    self.blocks_first.index_copy_(0, index, stage)
-                else:
-                    for i, layer in enumerate(self.kv_caches):
-                        layer[:, index] = stage[:, i].transpose(0, 1)
+                self.blocks_first.index_copy_(0, index, stage)
 
     def handle_preemptions(self) -> None:
         meta: OffloadingMetadata | None = self.connector_metadata
