@@ -10,7 +10,8 @@ Setups (each started fresh as real `minivllm serve` processes, measured, stopped
   tp2    one V1 instance with tensor parallelism over two devices
   1p1d   a prefill instance (KV producer) and a decode instance (KV consumer) behind the proxy
 With --gpus 0,1 the first instance of a setup runs on GPU 0 and the second on GPU 1 (tp2 gets both).
-The workload is `bench serve`'s (random token prompts, streamed, ignore_eos, Poisson arrivals). The
+The workload is `bench serve`'s (random token prompts, streamed, ignore_eos, Poisson arrivals), with
+prompts of its own at each rate (so no rate is served from the prefix cache the one before filled). The
 report (report.md, results.json, PNGs: TTFT and ITL CDFs per rate, throughput and latency against
 rate) says for each setup and rate: TTFT / ITL p50, p99, throughput, goodput under the SLOs, and for
 1p1d the KV transfer rate the decode instance measured (GB/s), next to the device-to-device copy
@@ -289,6 +290,14 @@ def write_markdown(report: dict, plots: list[str], out_dir: str) -> str:
     return path
 
 
+def rate_workloads(num_prompts: int, input_len: str, output_len: str, vocab: int, seed: int, num_rates: int) -> list:
+    """One workload per rate, the i-th drawn with seed + i: the same prompts again would be served
+    from the prefix cache the previous rate filled, measuring cache hits instead of prefills."""
+    from minivllm.frontend.bench import make_workload
+
+    return [make_workload(num_prompts, input_len, output_len, vocab, seed + i) for i in range(num_rates)]
+
+
 def load_finished_setups(out_dir: str, workload_key: dict, rates: list[float]) -> tuple[dict, dict, dict | None]:
     """The setups an earlier run in out_dir measured on this same workload and rates (for --resume:
     a long comparison split over several invocations still ends in one report)."""
@@ -308,7 +317,6 @@ def load_finished_setups(out_dir: str, workload_key: dict, rates: list[float]) -
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:
-    from minivllm.frontend.bench import make_workload
     from minivllm.frontend.bench_serve import parse_goodput, parse_rates, print_result, vocab_size_of
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -322,7 +330,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     goodput = parse_goodput(args.goodput)
     serve_args = shlex.split(args.serve_args or "")
     vocab = vocab_size_of(args.model)
-    workload = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    workloads = rate_workloads(args.num_prompts, args.input_len, args.output_len, vocab, args.seed, len(rates))
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = os.path.join(args.out_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -331,7 +339,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict]] = {}
     raws: dict[str, list[dict]] = {}
     workload_key = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                    "seed": args.seed}
+                    "seed": args.seed, "prompts": "distinct per rate"}
     kept_kv_transfer = None
     if args.resume:
         runs, raws, kept_kv_transfer = load_finished_setups(args.out_dir, workload_key, rates)
@@ -355,9 +363,10 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         try:
             model = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=30).read())["data"][0]["id"]
             # A short warm-up request (first-step compilation, connections) before anything is measured.
-            asyncio.run(run_workload(url, model, [workload.prompts[0][:32]], [4], math.inf, {}, args.seed))
+            warm_up = [[(token + 1) % vocab for token in workloads[0].prompts[0][:32]]]  # shares no block
+            asyncio.run(run_workload(url, model, warm_up, [4], math.inf, {}, args.seed))
             runs[setup], raws[setup] = [], []
-            for rate in rates:
+            for rate, workload in zip(rates, workloads):
                 result, raw = asyncio.run(run_workload(url, model, workload.prompts, workload.output_lens, rate,
                                                        goodput, args.seed))
                 result["setup"] = setup

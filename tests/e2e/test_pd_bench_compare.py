@@ -49,3 +49,14 @@ def test_bench_compare_writes_a_report_for_every_setup(tiny_llama: str, tmp_path
         assert os.path.getsize(os.path.join(out_dir, name)) > 1000
         assert name in markdown
     assert "| 1p1d | 20.0 | 4/4 |" in markdown and "KV transfer" in markdown
+
+
+def test_each_rate_gets_prompts_of_its_own() -> None:
+    """A rate that replayed the previous rate's prompts would be served from the prefix cache."""
+    from minivllm.frontend.bench_compare import rate_workloads
+
+    workloads = rate_workloads(8, "40:90", "6", 1000, seed=0, num_rates=3)
+    first_blocks = [{tuple(p[:16]) for p in w.prompts} for w in workloads]
+    assert all(len(blocks) == 8 for blocks in first_blocks)
+    assert not (first_blocks[0] & first_blocks[1]) and not (first_blocks[1] & first_blocks[2])
+    assert rate_workloads(8, "40:90", "6", 1000, seed=0, num_rates=3)[2].prompts == workloads[2].prompts
