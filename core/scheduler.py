@@ -215,8 +215,9 @@ class Scheduler:
         self.held_blocks: dict[str, tuple[list[KVCacheBlock], float]] = {}
         # Ids whose transfers were given up on, for the next KVConnectorMetadata.
         self.expired_req_ids: list[str] = []
-        # Outputs of requests the connector failed, for the next update_from_output.
-        self.kv_failed_outputs: list[EngineCoreOutput] = []
+        # Outputs the KV connector's events made (a failed load, a first token that came with the
+        # KV), for the next update_from_output.
+        self.kv_outputs: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -458,8 +459,11 @@ class Scheduler:
                 if self.connector is not None and request.sampling_params.prompt_logprobs is None:
                     num_external_tokens, load_async = self.connector.get_num_new_matched_tokens(
                         request, num_cached_tokens)
-                    # The last known token is always computed here: its logits are needed.
-                    num_external_tokens = max(0, min(num_external_tokens, request.num_tokens - 1 - num_cached_tokens))
+                    # The last known token is computed here, for its logits; unless an asynchronous
+                    # load brings the token sampled after it (added when the load completes).
+                    brings_token = load_async and self.connector.first_output_token(request) is not None
+                    num_external_tokens = max(0, min(num_external_tokens,
+                                                     request.num_tokens - (not brings_token) - num_cached_tokens))
                     if num_external_tokens and load_async:
                         if not self._start_async_load(request, computed_blocks, num_cached_tokens,
                                                       num_external_tokens):
@@ -571,8 +575,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         if model_runner_output.kv_connector_output is not None:
             self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
-        if self.kv_failed_outputs:
-            outputs, self.kv_failed_outputs = self.kv_failed_outputs, []
+        if self.kv_outputs:
+            outputs, self.kv_outputs = self.kv_outputs, []
         finished: set[str] = set()
         scheduled = self.scheduled_requests.pop(scheduler_output.step_id, {})
         num_outputs = len(model_runner_output.req_ids)
@@ -769,6 +773,8 @@ class Scheduler:
         for request in sorted(received, key=lambda r: r.arrival_order, reverse=True):
             request.num_computed_tokens += request.num_loading_tokens
             request.num_loading_tokens = 0
+            if request.num_computed_tokens == request.num_tokens and self._take_first_output_token(request):
+                continue  # it finished on that token
             request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
             self.waiting.prepend(request)
         for request_id in output.failed_recving:
@@ -779,13 +785,26 @@ class Scheduler:
             if request is not None:
                 self._fail_kv_transfer(request, "its KV cache could not be loaded (the KV connector's transfer failed)")
 
+    def _take_first_output_token(self, request: Request) -> bool:
+        """A request whose whole prompt's KV was loaded appends the first output token that came
+        with it and reports it, as a step would have. Returns whether that token finished it."""
+        token_id = self.connector.first_output_token(request)
+        request.output_token_ids.append(token_id)
+        self.num_generation_tokens += 1
+        kv_transfer_params = self._free_request(request) if self._check_stop(request, token_id) else None
+        self.kv_outputs.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[token_id], finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
+            kv_transfer_params=kv_transfer_params))
+        return request.is_finished
+
     def _fail_kv_transfer(self, request: Request, reason: str) -> None:
         """Finish a request in WAITING_FOR_REMOTE_KVS with an error; its blocks are free to reuse
         (the worker side drops the transfer)."""
         logger.warning("request %s failed: %s", request.request_id, reason)
         request.status = RequestStatus.FINISHED_ABORTED
         self._free_request(request)
-        self.kv_failed_outputs.append(EngineCoreOutput(
+        self.kv_outputs.append(EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[], finish_reason=request.finish_reason,
             error_type=ERROR_KV_TRANSFER, error=f"request {request.request_id!r}: {reason}"))
 

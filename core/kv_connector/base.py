@@ -109,6 +109,12 @@ class KVConnectorSchedulerBase:
         """(tokens loadable from outside past num_computed_tokens, whether they load asynchronously)."""
         return 0, False
 
+    def first_output_token(self, request: "Request") -> int | None:
+        """The first output token, sampled where the prompt's KV was computed, if it comes with an
+        asynchronous load of the whole prompt: the request then starts decoding from it, as it
+        would have there, with no forward of its own for the last prompt token."""
+        return None
+
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         """Blocks were allocated for the tokens get_num_new_matched_tokens offered."""
 

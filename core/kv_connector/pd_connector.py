@@ -6,8 +6,12 @@ The kv_transfer_params protocol is vLLM's (NixlConnector's names):
       {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id", "remote_request_id",
        "remote_block_ids", "remote_host", "remote_port", "tp_size"};
   a decode request carrying those waits in WAITING_FOR_REMOTE_KVS while this instance's workers
-  (the KV consumer) pull the blocks into blocks allocated for it, then runs: its last prompt token
-  is recomputed here, which gives the logits of its first output token.
+  (the KV consumer) pull the blocks into blocks allocated for it, then runs.
+The producer's answer also carries "first_output_token_id", the token its prefill sampled. The
+consumer pulls the KV of the whole prompt and starts from that token, so its steps are the ones a
+colocated instance would run (bit for bit: no forward of the last prompt token in a different
+shape). Requests that ask for logprobs (which the token does not bring) and answers without it
+recompute the last prompt token instead, for the logits of the first output token.
 Blocks this instance already has in its prefix cache are not pulled again.
 
 The connector only validates and plans; the workers move the bytes (worker/kv_connector/pd_*).
@@ -57,7 +61,7 @@ class PDConnectorMetadata(msgspec.Struct, kw_only=True):
 
 
 def parse_remote_prefill(params: dict[str, Any], num_prompt_tokens: int, block_size: int,
-                         tp_size: int = 1) -> dict[str, Any]:
+                         tp_size: int = 1, vocab_size: int = 1 << 31) -> dict[str, Any]:
     """A decode request's kv_transfer_params, checked (they come from the client): a ValueError
     says what is wrong."""
     remote_tp = params.get("tp_size", 1)
@@ -81,6 +85,10 @@ def parse_remote_prefill(params: dict[str, Any], num_prompt_tokens: int, block_s
                          "prefill instance?)")
     if any(not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < MAX_REMOTE_BLOCKS for b in block_ids):
         raise ValueError("kv_transfer_params['remote_block_ids'] must be non-negative block ids")
+    token = params.get("first_output_token_id")
+    if token is not None and (not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size):
+        raise ValueError(f"kv_transfer_params['first_output_token_id'] must be a token id in [0, {vocab_size}), "
+                         f"got {token!r:.80}")
     return params
 
 
@@ -118,7 +126,8 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
             if not self.consumes:
                 raise ValueError("this instance is no KV consumer (start it with --kv-transfer-role consumer) "
                                  "but the request asks to pull its KV (do_remote_prefill)")
-            parse_remote_prefill(params, len(request.prompt_token_ids), self.block_size, self.tp_size)
+            parse_remote_prefill(params, len(request.prompt_token_ids), self.block_size, self.tp_size,
+                                 self.config.vocab_size)
         if params.get("do_remote_decode") and not self.produces:
             raise ValueError("this instance is no KV producer (start it with --kv-transfer-role producer) "
                              "but the request asks to keep its KV for a decode instance (do_remote_decode)")
@@ -135,6 +144,13 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
             return 0, False
         self._matched[request.request_id] = num_computed_tokens
         return count, True
+
+    def first_output_token(self, request: Any) -> int | None:
+        params = request.kv_transfer_params
+        if (not params or not params.get("do_remote_prefill") or request.output_token_ids
+                or request.sampling_params.logprobs is not None):
+            return None
+        return params.get("first_output_token_id")
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -177,7 +193,8 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
         self._holding.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                       "remote_request_id": request.request_id, "remote_block_ids": held,
-                      "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size}
+                      "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
+                      "first_output_token_id": request.output_token_ids[0] if request.output_token_ids else None}
 
     def has_pending_work(self) -> bool:
         # Held blocks are released (and consumer pulls complete) only through worker reports.

@@ -89,6 +89,9 @@ def test_1p1d_output_is_token_identical_to_a_colocated_instance(colocated: Serve
         assert got.logprobs.tokens == expected.logprobs.tokens
         streamed = routed.completions.create(**kwargs, stream=True)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
+        # without logprobs the decode instance starts from the token the prefill sampled
+        plain = {key: value for key, value in kwargs.items() if key != "logprobs"}
+        assert routed.completions.create(**plain).choices[0].text == expected.text
     # seeded sampling too (the decode instance samples every output token)
     sampled = dict(model=model, prompt=PROMPTS[1], max_tokens=10, temperature=0.8, seed=7,
                    extra_body={"ignore_eos": True})
@@ -111,6 +114,7 @@ def test_a_prefill_answer_carries_kv_transfer_params(pd) -> None:
     params = answer["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_block_ids"]
     assert params["remote_host"] == "127.0.0.1" and isinstance(params["remote_port"], int)
+    assert isinstance(params["first_output_token_id"], int)  # the token its prefill sampled
 
 
 @pytest.mark.parametrize("connector", ["P2pNcclConnector", pytest.param("ZmqTcpConnector", marks=pytest.mark.slow)])

@@ -13,8 +13,7 @@ from tests.server_procs import ServerProcess, free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
-COMMON = ("--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16",
-          "--gpu-memory-utilization", "0.3")
+COMMON = ("--device", "cuda", "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
 PROMPTS = [list(range(1, 40)), [(7 * j) % 400 + 3 for j in range(200)], [5, 9, 13]]
 
 
@@ -22,12 +21,14 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def test_1p1d_on_two_gpus_equals_a_colocated_instance(tiny_model_factory) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_1p1d_on_two_gpus_equals_a_colocated_instance(tiny_model_factory, dtype: str) -> None:
     model_dir = tiny_model_factory("qwen3")
-    colocated = ServerProcess(model_dir, *COMMON, env={"CUDA_VISIBLE_DEVICES": "1"}, timeout=300)
-    producer = ServerProcess(model_dir, *COMMON, "--kv-transfer-role", "producer", "--kv-port", str(free_port()),
+    common = (*COMMON, "--dtype", dtype)
+    colocated = ServerProcess(model_dir, *common, env={"CUDA_VISIBLE_DEVICES": "1"}, timeout=300)
+    producer = ServerProcess(model_dir, *common, "--kv-transfer-role", "producer", "--kv-port", str(free_port()),
                              env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=300)
-    consumer = ServerProcess(model_dir, *COMMON, "--kv-transfer-role", "consumer",
+    consumer = ServerProcess(model_dir, *common, "--kv-transfer-role", "consumer",
                              env={"CUDA_VISIBLE_DEVICES": "1"}, timeout=300)
     proxy = ProxyProcess([producer.url], [consumer.url])
     try:

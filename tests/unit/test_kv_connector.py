@@ -52,13 +52,19 @@ class RemoteStoreScheduler(KVConnectorSchedulerBase):
 
     def validate_kv_transfer_params(self, request) -> None:
         params = request.kv_transfer_params
-        if params is not None and not set(params) <= {"remote", "send"}:
-            raise ValueError(f"unknown kv_transfer_params keys: {sorted(set(params) - {'remote', 'send'})}")
+        keys = {"remote", "send", "first_token"}
+        if params is not None and not set(params) <= keys:
+            raise ValueError(f"unknown kv_transfer_params keys: {sorted(set(params) - keys)}")
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if not (request.kv_transfer_params or {}).get("remote") or request.num_output_tokens:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, self.load_async  # the scheduler clamps it
+
+    def first_output_token(self, request):
+        if request.num_output_tokens or request.sampling_params.logprobs is not None:
+            return None
+        return (request.kv_transfer_params or {}).get("first_token")
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.pending_loads.append(LoadOp(request.request_id, request.all_token_ids, block_ids,
@@ -229,9 +235,34 @@ def test_loaded_kv_is_used_and_output_matches_local_compute(load_async: bool) ->
     assert any(seen_waiting) == load_async
 
 
-def with_params(request_id: str, params: dict | None, **kwargs):
+def with_params(request_id: str, params: dict | None, logprobs: int | None = None, **kwargs):
     request = make_request(request_id, **kwargs)
+    if logprobs is not None:
+        request.sampling_params.logprobs = logprobs
     return msgspec.structs.replace(request, kv_transfer_params=params)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_a_load_that_brings_the_first_output_token_decodes_from_it(max_tokens: int) -> None:
+    """As PD's consumer does with the token the prefill sampled: the whole prompt's KV is loaded,
+    the token is reported when the load lands, and decoding starts from it (no forward of the
+    last prompt token here); max_tokens=1 finishes on it and frees the blocks."""
+    prompt = list(range(100, 137))
+    scheduler, worker = make(load_steps=3)
+    scheduler.add_request(with_params("r", {"remote": True, "first_token": 7}, prompt_token_ids=prompt,
+                                      max_tokens=max_tokens, ignore_eos=True))
+    outputs = run(scheduler, worker)["r"]
+    assert outputs[0].new_token_ids == [7] and len(tokens(outputs)) == max_tokens
+    assert outputs[-1].finish_reason == "length" and outputs[-1].num_cached_tokens == len(prompt)
+    assert worker.num_computed_tokens_total == max_tokens - 1  # the outputs fed back, nothing of the prompt
+
+    # Logprobs are not in what the load brings: the last prompt token is computed here for them.
+    scheduler, worker = make()
+    scheduler.add_request(with_params("r", {"remote": True, "first_token": 7}, logprobs=0, prompt_token_ids=prompt,
+                                      max_tokens=max_tokens, ignore_eos=True))
+    outputs = run(scheduler, worker)["r"]
+    assert 7 not in tokens(outputs) and len(tokens(outputs)) == max_tokens
+    assert worker.num_computed_tokens_total == max_tokens
 
 
 def test_bad_kv_transfer_params_refuse_that_request_only() -> None:

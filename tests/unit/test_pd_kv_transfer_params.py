@@ -85,3 +85,13 @@ def test_prefill_and_decode_instances_need_the_same_tensor_parallel_size() -> No
     assert parse_remote_prefill(params, 20, 16, tp_size=2) is params
     with pytest.raises(ValueError, match="tensor_parallel_size=2 and this one 1"):
         parse_remote_prefill(params, 20, 16, tp_size=1)
+
+
+@pytest.mark.parametrize("token", [-1, 512, True, "7", 1.5])
+def test_a_first_output_token_outside_the_vocabulary_is_refused(token) -> None:
+    from minivllm.core.kv_connector.pd_connector import parse_remote_prefill
+
+    params = {"remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 15000, "remote_block_ids": [0, 1]}
+    assert parse_remote_prefill({**params, "first_output_token_id": 511}, 20, 16, vocab_size=512)
+    with pytest.raises(ValueError, match=r"first_output_token_id'\] must be a token id in \[0, 512\)"):
+        parse_remote_prefill({**params, "first_output_token_id": token}, 20, 16, vocab_size=512)
