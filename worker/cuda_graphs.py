@@ -35,7 +35,7 @@ from minivllm.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -186,7 +186,8 @@ class StepGraphs:
         if before_replay is not None:
             before_replay()
         self.graphs[key].replay()
-        return self.outputs[key][: step.num_tokens]
+        out = self.outputs[key]  # (hidden states, residual) on a pipeline stage before the last
+        return out[: step.num_tokens] if isinstance(out, torch.Tensor) else tuple(t[: step.num_tokens] for t in out)
 
 
 def host_metadata(step: StepInputs, kv_layout: KVCacheLayout) -> AttentionMetadata:

@@ -37,6 +37,7 @@ from minivllm.worker.kv_connector import make_kv_connector_driver
 from minivllm.worker.logits_processors import apply_logits_processors
 from minivllm.worker.logprobs import sampled_logprobs
 from minivllm.worker.models.loader import describe, load_model
+from minivllm.worker.pipeline import CUDA_GRAPHS as PP_CUDA_GRAPHS
 from minivllm.worker.pipeline import apply_new_token_ids, make_pipeline_stage
 from minivllm.worker.prompt_logprobs import gather_prompt_logprobs
 from minivllm.worker.sampler import Sampler, SamplingMetadata, reseed_generators
@@ -234,7 +235,7 @@ class ModelRunner:
             self.spec_decoder.initialize_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.stage is None:  # PP: eager
+        if self.device.type == "cuda" and not self.config.enforce_eager and (self.stage is None or PP_CUDA_GRAPHS):
             with torch.inference_mode():
                 spec = self.config.speculative_config
                 self.graphs = StepGraphs(
@@ -244,9 +245,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------ one step
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        if self.stage is not None:  # one pipeline stage: None on a stage before the last
-            return self.stage.forward(self.model, input_ids, positions, self.kv_caches, metadata)
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward a graph captures; a pipeline stage's reads the previous stage's activations
+        from its persistent inputs, and returns (hidden states, residual) on a stage before the last."""
+        if self.stage is not None:
+            intermediate = self.stage.intermediate(input_ids.shape[0])
+            return self.model(input_ids, positions, self.kv_caches, metadata, intermediate)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -340,10 +345,14 @@ class ModelRunner:
         source = torch.from_numpy(step.pending_source).to(self.device, non_blocking=True)
         input_ids[index] = self.pending.sampled[source]
 
-    def _run_model(self, step: StepInputs) -> torch.Tensor:
-        """One forward pass: a captured graph when one fits the step, else eager."""
-        return run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout,
-                           patch_input_ids=lambda input_ids: self._patch_pending_inputs(step, input_ids))
+    def _run_model(self, step: StepInputs) -> torch.Tensor | None:
+        """One forward pass: a captured graph when one fits the step, else eager. None on a
+        pipeline stage before the last (its activations went on to the next stage)."""
+        if self.stage is not None:
+            self.stage.receive(step.num_tokens)
+        out = run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout,
+                          patch_input_ids=lambda input_ids: self._patch_pending_inputs(step, input_ids))
+        return out if self.stage is None else self.stage.finish(out)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -1,6 +1,7 @@
 """Pipeline parallelism on CUDA (NCCL send/recv between stages), for a host with at least two GPUs
 (nvidia-h200-x2): PP=2 token-identical to one GPU in fp32 (chunked prefill, seeded sampling), a
-bf16 smoke run with a clean, quick shutdown, and a killed stage taking the engine down cleanly."""
+bf16 smoke run with a clean, quick shutdown, each with the stages eager and as CUDA graphs, and a
+killed stage taking the engine down cleanly."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def generate(model_dir: str, params=GREEDY, **kwargs) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+@pytest.mark.parametrize("stage_graphs", ["0", "1"])  # MINIVLLM_PP_CUDA_GRAPHS: stages eager / as CUDA graphs
 @pytest.mark.parametrize("arch, overrides", [("llama", dict(num_hidden_layers=3)), ("qwen3", {})])
-def test_pp2_equals_one_gpu_fp32(tiny_model_factory, arch: str, overrides: dict) -> None:
+def test_pp2_equals_one_gpu_fp32(tiny_model_factory, monkeypatch, arch: str, overrides: dict,
+                                 stage_graphs: str) -> None:
+    monkeypatch.setenv("MINIVLLM_PP_CUDA_GRAPHS", stage_graphs)  # read by the workers it starts
     model_dir = tiny_model_factory(arch, **overrides)
     params = [GREEDY, SEEDED] * (len(PROMPTS) // 2)
     expected = generate(model_dir, params, dtype="float32")
@@ -36,7 +40,9 @@ def test_pp2_equals_one_gpu_fp32(tiny_model_factory, arch: str, overrides: dict)
         generate(model_dir, params, dtype="float32", max_num_batched_tokens=32)
 
 
-def test_pp2_bf16_smoke_and_quick_shutdown(tiny_model_factory) -> None:
+@pytest.mark.parametrize("stage_graphs", ["0", "1"])
+def test_pp2_bf16_smoke_and_quick_shutdown(tiny_model_factory, monkeypatch, stage_graphs: str) -> None:
+    monkeypatch.setenv("MINIVLLM_PP_CUDA_GRAPHS", stage_graphs)
     model_dir = tiny_model_factory("qwen3")
     with LLM(model_dir, max_model_len=512, device="cuda", skip_tokenizer_init=True, pipeline_parallel_size=2,
              max_num_seqs=16, max_num_batched_tokens=512) as llm:
