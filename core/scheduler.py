@@ -208,6 +208,7 @@ class Scheduler:
         self.connector = make_scheduler_connector(config, num_gpu_blocks)
         if self.connector is not None:
             self.connector.bind_block_pool(self.kv_cache_manager.block_pool)
+            self.connector.bind_block_ids(self.kv_cache_manager.get_block_ids)
         # Requests in WAITING_FOR_REMOTE_KVS, by id.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         # Finished requests whose blocks the connector still reads (a send) or writes (a load in

@@ -29,6 +29,9 @@ The Scheduler's side of the contract (all calls from the EngineCore's busy loop,
        reports its id in finished_recving (then it is scheduled with the tokens counted as
        computed) or failed_recving (then it finishes with error ERROR_KV_TRANSFER). Its blocks
        join the prefix cache only after the KV arrived.
+   first_output_token(request) may name the token sampled after the prompt where its KV was
+   computed: then the whole prompt may load asynchronously, and when it has, the request appends
+   that token (reported to the client as sampled) and decodes from it.
 3. update_state_after_alloc(request, block_ids, n): right after that allocation. block_ids are all
    the request's blocks; request.num_computed_tokens is (still) the locally computed count, and
    the n external tokens go into positions [num_computed_tokens, num_computed_tokens + n), i.e.
@@ -41,8 +44,10 @@ The Scheduler's side of the contract (all calls from the EngineCore's busy loop,
    already sent have run). When it is admitted again, step 2 asks for it as for any request
    (that is how swap-in happens).
 5. build_connector_meta(scheduler_output) -> Struct | None: called once per step after
-   scheduling, with the SchedulerOutput about to be sent; return this step's instructions (and
-   reset what was handed over). The Struct must be of the worker side's metadata_type.
+   scheduling, with the SchedulerOutput about to be sent (the scheduled requests'
+   num_computed_tokens already count this step's tokens; bind_block_ids gave the lookup of their
+   blocks); return this step's instructions (and reset what was handed over). The Struct must be
+   of the worker side's metadata_type.
 6. update_connector_output(output): each KVConnectorOutput from the worker (the Scheduler also
    acts on its ids itself, as described in 2 and 7).
 7. request_finished(request, block_ids) -> (delay_free, kv_transfer_params): exactly once per
@@ -66,7 +71,7 @@ With no connector configured none of this runs: the Scheduler skips every call.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
@@ -101,6 +106,9 @@ class KVConnectorSchedulerBase:
 
     def bind_block_pool(self, block_pool: "BlockPool") -> None:
         """The GPU block pool, once at start (e.g. to watch prefix-cache evictions)."""
+
+    def bind_block_ids(self, get_block_ids: Callable[[str], list[int]]) -> None:
+        """How to look up a running request's block ids, once at start."""
 
     def validate_kv_transfer_params(self, request: "Request") -> None:
         """Raise ValueError (the client sees the message) if request.kv_transfer_params is unusable."""

@@ -2,7 +2,9 @@
 
 The kv_transfer_params protocol is vLLM's (NixlConnector's names):
   a prefill request carries {"do_remote_decode": true}; when it finishes, this instance (the KV
-  producer) keeps its blocks (delayed free) and answers with
+  producer) keeps its blocks (delayed free; its workers serve them from the step that completes
+  the prompt on, so a decode instance's pull need not wait for the step after the one that sees
+  the request finish, a whole prefill step on a loaded producer) and answers with
       {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id", "remote_request_id",
        "remote_block_ids", "remote_host", "remote_port", "tp_size"};
   a decode request carrying those waits in WAITING_FOR_REMOTE_KVS while this instance's workers
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -54,10 +56,12 @@ class SendSpec(msgspec.Struct, array_like=True):
 
 
 class PDConnectorMetadata(msgspec.Struct, kw_only=True):
-    """What the workers' connectors are told with one step."""
+    """What the workers' connectors are told with one step: pulls to start, blocks to serve from
+    this step's forward on, and holds to drop before it (their requests lost the blocks)."""
 
     reqs_to_recv: list[RecvSpec] = []
     reqs_to_send: list[SendSpec] = []
+    reqs_to_release: list[str] = []
 
 
 def parse_remote_prefill(params: dict[str, Any], num_prompt_tokens: int, block_size: int,
@@ -109,6 +113,15 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
         self._loading: set[str] = set()
         self._matched: dict[str, int] = {}  # request id -> tokens cached here, between the two calls above
         self._holding: set[str] = set()  # finished prefills whose blocks wait to be pulled
+        # Prefills for a decode instance (do_remote_decode) whose prompt is not computed yet, and
+        # those whose workers already serve the prompt's blocks (held before they finished).
+        self._prefilling: dict[str, Any] = {}
+        self._held_early: set[str] = set()
+        self._to_release: list[str] = []
+        self._block_ids: Callable[[str], list[int]] | None = None
+
+    def bind_block_ids(self, get_block_ids: Callable[[str], list[int]]) -> None:
+        self._block_ids = get_block_ids
 
     @property
     def produces(self) -> bool:
@@ -134,6 +147,8 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.produces:
+            self._prefilling[request.request_id] = request  # admitted: its prompt is computed from now on
         if not params or not params.get("do_remote_prefill") or request.request_id in self._loading:
             return 0, False
         # Pulled once: a request preempted later recomputes like any other.
@@ -165,12 +180,31 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
         self._to_recv.append(RecvSpec(request.request_id, params["remote_request_id"], params["remote_host"],
                                       params["remote_port"], list(remote[first:end]), list(block_ids[first:end])))
 
+    def request_preempted(self, request: Any, block_ids: list[int], num_computed_tokens: int) -> None:
+        if request.request_id in self._held_early:  # its blocks go to others: stop serving them
+            self._held_early.discard(request.request_id)
+            self._to_release.append(request.request_id)
+
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata | None:
-        if not self._to_recv and not self._to_send:
+        self._hold_computed_prompts(scheduler_output)
+        if not self._to_recv and not self._to_send and not self._to_release:
             return None
-        meta = PDConnectorMetadata(reqs_to_recv=self._to_recv, reqs_to_send=self._to_send)
-        self._to_recv, self._to_send = [], []
+        meta = PDConnectorMetadata(reqs_to_recv=self._to_recv, reqs_to_send=self._to_send,
+                                   reqs_to_release=self._to_release)
+        self._to_recv, self._to_send, self._to_release = [], [], []
         return meta
+
+    def _hold_computed_prompts(self, scheduler_output: Any) -> None:
+        """Prefills whose prompt this step completes: their workers serve the prompt's blocks
+        from this step's forward on (a decode instance only learns of them once they finished)."""
+        for req_id, request in list(self._prefilling.items()):
+            if req_id not in scheduler_output.num_scheduled_tokens:
+                continue
+            if request.num_computed_tokens >= request.num_prompt_tokens:  # (counting this step's)
+                del self._prefilling[req_id]
+                num_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
+                self._to_send.append(SendSpec(req_id, list(self._block_ids(req_id)[:num_blocks])))
+                self._held_early.add(req_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in (*output.finished_recving, *output.failed_recving):
@@ -182,14 +216,19 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
         its answer says where they are."""
         self._loading.discard(request.request_id)
         self._matched.pop(request.request_id, None)
+        self._prefilling.pop(request.request_id, None)
+        held_early = request.request_id in self._held_early
+        self._held_early.discard(request.request_id)
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or request.finish_reason not in ("length", "stop"):
-            return False, None  # aborted / failed prefills keep nothing
         num_blocks = math.ceil(len(request.prompt_token_ids) / self.block_size)
         held = list(block_ids[:num_blocks])
-        if len(held) < num_blocks:
+        if (not params or not params.get("do_remote_decode") or request.finish_reason not in ("length", "stop")
+                or len(held) < num_blocks):
+            if held_early:  # aborted / failed prefills keep nothing
+                self._to_release.append(request.request_id)
             return False, None
-        self._to_send.append(SendSpec(request.request_id, held))
+        if not held_early:  # (a prefill never admitted through get_num_new_matched_tokens)
+            self._to_send.append(SendSpec(request.request_id, held))
         self._holding.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                       "remote_request_id": request.request_id, "remote_block_ids": held,

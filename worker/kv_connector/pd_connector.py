@@ -70,29 +70,38 @@ class PDConnectorWorker(KVConnectorWorkerBase):
         return KVBlockServer(kv_caches, self.host, self.port + self.rank, self.hold_timeout_s)
 
     def handle_preemptions(self) -> None:
-        # The scheduler gave up on these (its transfer timeout) and freed their blocks in this step:
-        # stop writing into (or serving) them before the forward reuses them.
-        if self._expired_req_ids:
+        # The scheduler gave up on these (its transfer timeout), or they were aborted or preempted
+        # after their hold, and their blocks were freed in this step: stop writing into (or
+        # serving) them before the forward reuses them.
+        metadata: PDConnectorMetadata | None = self.connector_metadata
+        released = [*self._expired_req_ids, *(metadata.reqs_to_release if metadata is not None else [])]
+        if released:
             if self.tp_reports is not None:
-                self.tp_reports.forget(self._expired_req_ids)
+                self.tp_reports.forget(released)
             if self.puller is not None:
                 self.puller.cancel(self._expired_req_ids)
             if self.server is not None:
-                self.server.drop(self._expired_req_ids)
+                self.server.drop(released)
 
     def start_load_kv(self, scheduler_output: SchedulerOutput) -> None:
-        """Start this step's pulls (they run in the background) and holds."""
+        """Start this step's pulls (they run in the background)."""
         metadata: PDConnectorMetadata | None = self.connector_metadata
         if metadata is None:
             return
-        for spec in metadata.reqs_to_send:
-            self.server.hold(spec.req_id, spec.block_ids)
         for spec in metadata.reqs_to_recv:
             address = f"tcp://{spec.remote_host}:{spec.remote_port + self.rank}"
             self.puller.start(PullJob(spec.req_id, spec.remote_req_id, address, spec.remote_block_ids,
                                       spec.local_block_ids))
         if self.tp_reports is not None:
             self.tp_reports.started([s.req_id for s in metadata.reqs_to_recv], [s.req_id for s in metadata.reqs_to_send])
+
+    def save_kv(self, scheduler_output: SchedulerOutput) -> None:
+        """Serve the blocks of this step's holds: after the forward is enqueued, as it may be the
+        one that computes them (a transfer's copies wait for what is enqueued before them)."""
+        metadata: PDConnectorMetadata | None = self.connector_metadata
+        if metadata is not None:
+            for spec in metadata.reqs_to_send:
+                self.server.hold(spec.req_id, spec.block_ids)
 
     def get_finished(self, finished_req_ids: list[str]) -> KVConnectorOutput | None:
         finished_sending = self.server.take_released() if self.server is not None else set()

@@ -167,8 +167,9 @@ class KVBlockServer:
                 with self.lock:
                     waits = request.req_id not in self.held and request.req_id not in self.gone
                 if waits:
-                    # The pull may overtake the hold: the producer's scheduler tells its worker
-                    # to hold a finished prefill's blocks with its next step. Wait a little.
+                    # The pull may overtake the hold where the producer's scheduler tells its
+                    # worker to hold a prefill's blocks only once it finished (with its next
+                    # step; see core/kv_connector/pd_connector.py). Wait a little.
                     self.waiting.append((identity, request, time.monotonic() + self.hold_grace_s))
                     continue
                 self._send_blocks(identity, request)
