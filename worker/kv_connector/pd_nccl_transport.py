@@ -242,19 +242,6 @@ class NcclBlockPuller(KVBlockPuller):
         self.stores[address], self.groups[address] = store, group
         return group
 
-    def _reply(self, socket: zmq.Socket, address: str, wanted) -> tuple:
-        while True:
-            if not socket.poll(int(self.timeout_s * 1000)):
-                raise TimeoutError(f"the producer at {address} answered nothing for {self.timeout_s:g} s; it may "
-                                   "have died")
-            frames = socket.recv_multipart(copy=False)
-            reply = self.decode_reply(frames[0].buffer)
-            if isinstance(reply, PullError) and wanted(reply):
-                raise RuntimeError(f"the producer at {address} refused: {reply.error}")
-            if wanted(reply):
-                return reply, frames
-            # otherwise: a late answer to an earlier pull that gave up
-
     def _drop_socket(self, address: str) -> None:
         super()._drop_socket(address)
         group = self.groups.pop(address, None)

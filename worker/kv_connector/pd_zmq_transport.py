@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -353,15 +354,8 @@ class KVBlockPuller:
         num_layers = len(self.kv_caches)
         layers_seen = 0
         while layers_seen < num_layers:
-            if not socket.poll(int(self.timeout_s * 1000)):
-                raise TimeoutError(f"the producer at {job.address} sent nothing for {self.timeout_s:g} s "
-                                   f"(layer {layers_seen} of {num_layers}); it may have died")
-            frames = socket.recv_multipart(copy=False)
-            reply = self.decode_reply(frames[0].buffer)
-            if reply.req_id != job.remote_req_id:
-                continue  # a late answer to an earlier pull that gave up
-            if isinstance(reply, PullError):
-                raise RuntimeError(f"the producer at {job.address} refused: {reply.error}")
+            reply, frames = self._reply(socket, job.address, lambda r: r.req_id == job.remote_req_id,
+                                        f" (layer {layers_seen} of {num_layers})")
             if reply.num_layers != num_layers or reply.layer != layers_seen:
                 raise RuntimeError(f"the producer sent layer {reply.layer} of {reply.num_layers}; expected layer "
                                    f"{layers_seen} of {num_layers} (is it the same model?)")
@@ -382,6 +376,21 @@ class KVBlockPuller:
         if self.stream is not None:
             self.stream.synchronize()  # in the cache before the request may run
         return received
+
+    def _reply(self, socket: zmq.Socket, address: str, wanted: Callable[[Any], bool], waiting_for: str = "") -> tuple:
+        """The producer's next answer that `wanted` accepts, and its frames (answers it does not:
+        late ones to an earlier pull that gave up, are skipped); a refusal raises."""
+        while True:
+            if not socket.poll(int(self.timeout_s * 1000)):
+                raise TimeoutError(f"the producer at {address} sent nothing for {self.timeout_s:g} s{waiting_for}; "
+                                   "it may have died")
+            frames = socket.recv_multipart(copy=False)
+            reply = self.decode_reply(frames[0].buffer)
+            if not wanted(reply):
+                continue
+            if isinstance(reply, PullError):
+                raise RuntimeError(f"the producer at {address} refused: {reply.error}")
+            return reply, frames
 
     def _scatter(self, kv_cache: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.stream is None:
