@@ -17,7 +17,8 @@ The Scheduler's side of the contract (all calls from the EngineCore's busy loop,
 
 1. add_request -> validate_kv_transfer_params(request): request.kv_transfer_params came over the
    engine socket (untrusted). Raise ValueError to refuse that request alone (the client gets an
-   "invalid" error); never let a bad value reach a later call.
+   "invalid" error); never let a bad value reach a later call. It is the scheduler's last check:
+   a request not refused here is added, so a connector may start tracking it here.
 2. When a request without blocks is about to be admitted, after the GPU prefix-cache lookup found
    `num_computed_tokens` tokens: get_num_new_matched_tokens(request, num_computed_tokens) ->
    (n, load_async): n more tokens can come from outside. The scheduler clamps n so that at least

@@ -116,7 +116,7 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
         # Prefills for a decode instance (do_remote_decode) whose prompt is not computed yet, and
         # those whose workers already serve the prompt's blocks (held before they finished).
         self._prefilling: dict[str, Any] = {}
-        self._held_early: set[str] = set()
+        self._held_early: dict[str, list[int]] = {}  # id -> the prompt's blocks its workers serve
         self._to_release: list[str] = []
         self._block_ids: Callable[[str], list[int]] | None = None
 
@@ -141,14 +141,14 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
                                  "but the request asks to pull its KV (do_remote_prefill)")
             parse_remote_prefill(params, len(request.prompt_token_ids), self.block_size, self.tp_size,
                                  self.config.vocab_size)
-        if params.get("do_remote_decode") and not self.produces:
-            raise ValueError("this instance is no KV producer (start it with --kv-transfer-role producer) "
-                             "but the request asks to keep its KV for a decode instance (do_remote_decode)")
+        if params.get("do_remote_decode"):
+            if not self.produces:
+                raise ValueError("this instance is no KV producer (start it with --kv-transfer-role producer) "
+                                 "but the request asks to keep its KV for a decode instance (do_remote_decode)")
+            self._prefilling[request.request_id] = request  # (the scheduler adds it next)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and self.produces:
-            self._prefilling[request.request_id] = request  # admitted: its prompt is computed from now on
         if not params or not params.get("do_remote_prefill") or request.request_id in self._loading:
             return 0, False
         # Pulled once: a request preempted later recomputes like any other.
@@ -181,9 +181,9 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
                                       params["remote_port"], list(remote[first:end]), list(block_ids[first:end])))
 
     def request_preempted(self, request: Any, block_ids: list[int], num_computed_tokens: int) -> None:
-        if request.request_id in self._held_early:  # its blocks go to others: stop serving them
-            self._held_early.discard(request.request_id)
-            self._to_release.append(request.request_id)
+        if self._held_early.pop(request.request_id, None) is not None:  # its blocks go to others
+            self._to_release.append(request.request_id)  # the workers stop serving them
+            self._prefilling[request.request_id] = request  # held again once recomputed
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata | None:
         self._hold_computed_prompts(scheduler_output)
@@ -203,8 +203,8 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
             if request.num_computed_tokens >= request.num_prompt_tokens:  # (counting this step's)
                 del self._prefilling[req_id]
                 num_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
-                self._to_send.append(SendSpec(req_id, list(self._block_ids(req_id)[:num_blocks])))
-                self._held_early.add(req_id)
+                held = self._held_early[req_id] = list(self._block_ids(req_id)[:num_blocks])
+                self._to_send.append(SendSpec(req_id, held))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in (*output.finished_recving, *output.failed_recving):
@@ -217,18 +217,12 @@ class PDConnectorScheduler(KVConnectorSchedulerBase):
         self._loading.discard(request.request_id)
         self._matched.pop(request.request_id, None)
         self._prefilling.pop(request.request_id, None)
-        held_early = request.request_id in self._held_early
-        self._held_early.discard(request.request_id)
-        params = request.kv_transfer_params
-        num_blocks = math.ceil(len(request.prompt_token_ids) / self.block_size)
-        held = list(block_ids[:num_blocks])
-        if (not params or not params.get("do_remote_decode") or request.finish_reason not in ("length", "stop")
-                or len(held) < num_blocks):
-            if held_early:  # aborted / failed prefills keep nothing
-                self._to_release.append(request.request_id)
+        held = self._held_early.pop(request.request_id, None)
+        if held is None:  # no prefill for a decode instance, or one whose prompt was never computed
             return False, None
-        if not held_early:  # (a prefill never admitted through get_num_new_matched_tokens)
-            self._to_send.append(SendSpec(request.request_id, held))
+        if request.finish_reason not in ("length", "stop"):
+            self._to_release.append(request.request_id)  # aborted / failed prefills keep nothing
+            return False, None
         self._holding.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                       "remote_request_id": request.request_id, "remote_block_ids": held,
