@@ -179,7 +179,7 @@ class ModelRunner:
         what is used outside torch's allocator (CUDA context, cuBLAS workspaces)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        scratch_caches = [self.kv_layout.allocate(1, self.device) for _ in range(self.model.num_layers)]
+        scratch_caches = self.kv_layout.allocate_layers(self.model.num_layers, 1, self.device)
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)

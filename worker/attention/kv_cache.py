@@ -61,7 +61,7 @@ class KVCacheLayout:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self.shape(num_blocks), dtype=torch.uint8 if self.fp8 else self.dtype, device=device)
+        return self.allocate_layers(1, num_blocks, device)[0]
 
     def allocate_layers(self, num_layers: int, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         """One cache per layer, as views of one tensor [num_layers, *shape]: a copy of whole

@@ -68,7 +68,7 @@ class DraftModelRunner:
         return 2 * self.kv_layout.block_bytes * self.model.num_layers
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.kv_caches = [self.kv_layout.allocate(num_blocks, self.device) for _ in range(self.model.num_layers)]
+        self.kv_caches = self.kv_layout.allocate_layers(self.model.num_layers, num_blocks, self.device)
         config = self.config
         if self.buffers is not None and not config.enforce_eager:
             with torch.inference_mode():
