@@ -32,13 +32,13 @@ def have_two_gpus() -> bool:
     return True
 
 
-def run(name: str, flags: list[str], args: argparse.Namespace, num_prompts: int, env: dict | None = None) -> dict:
-    """One `bench throughput` run in its own process (`env`: variables set for it); its result row."""
+def run(name: str, flags: list[str], args: argparse.Namespace, num_prompts: int) -> dict:
+    """One `bench throughput` run in its own process; its result row."""
     path = os.path.join(args.json_dir, f"{name}.json")
     command = [sys.executable, os.path.join(ROOT, "bin", "minivllm"), "bench", "throughput", "--model", args.model,
                "--num-prompts", str(num_prompts), *WORKLOAD, *flags, "--json", path]
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True, env={**os.environ, **(env or {})})
+    subprocess.run(command, check=True)
     with open(path) as f:
         return json.load(f)["results"][0]
 

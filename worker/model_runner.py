@@ -37,7 +37,6 @@ from minivllm.worker.kv_connector import make_kv_connector_driver
 from minivllm.worker.logits_processors import apply_logits_processors
 from minivllm.worker.logprobs import sampled_logprobs
 from minivllm.worker.models.loader import describe, load_model
-from minivllm.worker.pipeline import CUDA_GRAPHS as PP_CUDA_GRAPHS
 from minivllm.worker.pipeline import apply_new_token_ids, make_pipeline_stage
 from minivllm.worker.prompt_logprobs import gather_prompt_logprobs
 from minivllm.worker.sampler import Sampler, SamplingMetadata, reseed_generators
@@ -235,7 +234,7 @@ class ModelRunner:
             self.spec_decoder.initialize_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
-        if self.device.type == "cuda" and not self.config.enforce_eager and (self.stage is None or PP_CUDA_GRAPHS):
+        if self.device.type == "cuda" and not self.config.enforce_eager:
             with torch.inference_mode():
                 spec = self.config.speculative_config
                 self.graphs = StepGraphs(

@@ -27,25 +27,23 @@ def generate(model_dir: str, params=GREEDY, **kwargs) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("stage_graphs", ["0", "1"])  # MINIVLLM_PP_CUDA_GRAPHS: stages eager / as CUDA graphs
+@pytest.mark.parametrize("enforce_eager", [False, True])  # the stages as CUDA graphs / eager
 @pytest.mark.parametrize("arch, overrides", [("llama", dict(num_hidden_layers=3)), ("qwen3", {})])
-def test_pp2_equals_one_gpu_fp32(tiny_model_factory, monkeypatch, arch: str, overrides: dict,
-                                 stage_graphs: str) -> None:
-    monkeypatch.setenv("MINIVLLM_PP_CUDA_GRAPHS", stage_graphs)  # read by the workers it starts
+def test_pp2_equals_one_gpu_fp32(tiny_model_factory, arch: str, overrides: dict, enforce_eager: bool) -> None:
     model_dir = tiny_model_factory(arch, **overrides)
     params = [GREEDY, SEEDED] * (len(PROMPTS) // 2)
     expected = generate(model_dir, params, dtype="float32")
-    assert generate(model_dir, params, dtype="float32", pipeline_parallel_size=2) == expected
-    assert generate(model_dir, params, dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=32) == \
-        generate(model_dir, params, dtype="float32", max_num_batched_tokens=32)
+    assert generate(model_dir, params, dtype="float32", pipeline_parallel_size=2, enforce_eager=enforce_eager) \
+        == expected
+    assert generate(model_dir, params, dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=32,
+                    enforce_eager=enforce_eager) == generate(model_dir, params, dtype="float32", max_num_batched_tokens=32)
 
 
-@pytest.mark.parametrize("stage_graphs", ["0", "1"])
-def test_pp2_bf16_smoke_and_quick_shutdown(tiny_model_factory, monkeypatch, stage_graphs: str) -> None:
-    monkeypatch.setenv("MINIVLLM_PP_CUDA_GRAPHS", stage_graphs)
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_pp2_bf16_smoke_and_quick_shutdown(tiny_model_factory, enforce_eager: bool) -> None:
     model_dir = tiny_model_factory("qwen3")
     with LLM(model_dir, max_model_len=512, device="cuda", skip_tokenizer_init=True, pipeline_parallel_size=2,
-             max_num_seqs=16, max_num_batched_tokens=512) as llm:
+             max_num_seqs=16, max_num_batched_tokens=512, enforce_eager=enforce_eager) as llm:
         pids = [llm.engine_info.engine_pid, *llm.engine_info.worker_pids]
         outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         start = time.monotonic()
