@@ -26,13 +26,15 @@ def wait_for(puller: NcclBlockPuller) -> tuple[set[str], dict[str, str]]:
 
 
 def caches(device: str, dtype: torch.dtype, fill: bool) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, *BLOCK_SHAPE)
+    """Views of one tensor, as KVCacheLayout.allocate_layers makes them (the transport needs that)."""
+    shape = (NUM_LAYERS, 2, NUM_BLOCKS, *BLOCK_SHAPE)
     if dtype == torch.uint8:  # the FP8 cache's packed rows
-        shape = (2, NUM_BLOCKS, BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * (BLOCK_SHAPE[2] + 4))
-        return [torch.randint(0, 255, shape, dtype=dtype, device=device) if fill
-                else torch.zeros(shape, dtype=dtype, device=device) for _ in range(NUM_LAYERS)]
-    return [torch.randn(shape, device=device).to(dtype) if fill else torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(NUM_LAYERS)]
+        shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * (BLOCK_SHAPE[2] + 4))
+        stacked = torch.randint(0, 255, shape, dtype=dtype, device=device) if fill else \
+            torch.zeros(shape, dtype=dtype, device=device)
+    else:
+        stacked = torch.randn(shape, device=device).to(dtype) if fill else torch.zeros(shape, dtype=dtype, device=device)
+    return list(stacked.unbind(0))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])

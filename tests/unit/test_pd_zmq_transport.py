@@ -34,9 +34,14 @@ def make_caches(dtype: torch.dtype | str) -> tuple[list[torch.Tensor], list[torc
         from minivllm.worker.attention.kv_cache import KVCacheLayout
 
         layout = KVCacheLayout(SHAPE[2], SHAPE[3], SHAPE[4], torch.float32, fp8=True)
-        producer = [torch.randint(0, 120, layout.shape(SHAPE[1]), dtype=torch.uint8) for _ in range(3)]
-        return producer, [layout.allocate(SHAPE[1], torch.device("cpu")) for _ in range(3)]
-    return [torch.randn(SHAPE).to(dtype) for _ in range(3)], [torch.zeros(SHAPE, dtype=dtype) for _ in range(3)]
+        producer = layers(torch.randint(0, 120, (3, *layout.shape(SHAPE[1])), dtype=torch.uint8))
+        return producer, layout.allocate_layers(3, SHAPE[1], torch.device("cpu"))
+    return layers(torch.randn(3, *SHAPE).to(dtype)), layers(torch.zeros(3, *SHAPE, dtype=dtype))
+
+
+def layers(stacked: torch.Tensor) -> list[torch.Tensor]:
+    """Per-layer caches as views of one tensor, as a worker allocates them (the p2p transport needs that)."""
+    return list(stacked.unbind(0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
@@ -64,7 +69,7 @@ def test_blocks_move_into_the_allocated_blocks(transport, dtype: torch.dtype | s
 
 
 def test_a_silent_producer_fails_the_pull_after_the_timeout(transport) -> None:
-    consumer = [torch.zeros(SHAPE)]
+    consumer = layers(torch.zeros(1, *SHAPE))
     puller = transport[1](consumer, timeout_s=0.5)
     try:
         start = time.monotonic()
@@ -77,7 +82,7 @@ def test_a_silent_producer_fails_the_pull_after_the_timeout(transport) -> None:
 
 
 def test_held_blocks_nobody_pulls_are_released_after_the_hold_timeout() -> None:
-    server = KVBlockServer([torch.zeros(SHAPE)], "127.0.0.1", free_port(), hold_timeout_s=0.3)
+    server = KVBlockServer(layers(torch.zeros(1, *SHAPE)), "127.0.0.1", free_port(), hold_timeout_s=0.3)
     try:
         server.hold("p1", [1, 2])
         assert server.take_released() == set()
@@ -90,8 +95,8 @@ def test_held_blocks_nobody_pulls_are_released_after_the_hold_timeout() -> None:
 def test_a_cancelled_pull_writes_nothing_and_reports_nothing(transport) -> None:
     """The scheduler gave up on a request (its blocks went to others): its pull stops writing."""
     server_class, puller_class = transport
-    producer = [torch.randn(SHAPE)]
-    consumer = [torch.zeros(SHAPE)]
+    producer = layers(torch.randn(1, *SHAPE))
+    consumer = layers(torch.zeros(1, *SHAPE))
     port = free_port()
     server = server_class(producer, "127.0.0.1", port)
     puller = puller_class(consumer, timeout_s=5.0)
@@ -115,8 +120,8 @@ def test_p2p_moves_many_layers_in_chunks_through_two_staging_buffers(monkeypatch
     its own layer; a second consumer gets its own pair group from the same producer."""
     layer_bytes = 2 * 3 * 4 * 2 * 8 * 4  # K and V of 3 blocks, fp32
     monkeypatch.setattr(pd_nccl_transport, "CHUNK_BYTES", 2 * layer_bytes)
-    producer = [torch.randn(SHAPE) for _ in range(7)]
-    consumers = [[torch.zeros(SHAPE) for _ in range(7)] for _ in range(2)]
+    producer = layers(torch.randn(7, *SHAPE))
+    consumers = [layers(torch.zeros(7, *SHAPE)) for _ in range(2)]
     port = free_port()
     server = NcclBlockServer(producer, "127.0.0.1", port)
     pullers = [NcclBlockPuller(consumer, timeout_s=5.0) for consumer in consumers]
@@ -139,8 +144,8 @@ def test_p2p_moves_many_layers_in_chunks_through_two_staging_buffers(monkeypatch
 def test_p2p_a_producer_gone_after_the_pair_was_made_fails_the_pull_then_a_new_one_serves() -> None:
     """The producer's process group side vanishes (its instance restarted at the same address): the
     pull fails with a clear error, and the next pull builds a fresh pair group and succeeds."""
-    producer = [torch.randn(SHAPE)]
-    consumer = [torch.zeros(SHAPE)]
+    producer = layers(torch.randn(1, *SHAPE))
+    consumer = layers(torch.zeros(1, *SHAPE))
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     server = NcclBlockServer(producer, "127.0.0.1", port)

@@ -81,6 +81,21 @@ class KVCacheLayout:
         return KVCacheViews(data[0], data[1], scales[0], scales[1])
 
 
+def stacked_layers(kv_caches: list[torch.Tensor], user: str) -> torch.Tensor:
+    """The layers' caches as the one tensor [num_layers, 2, num_blocks, ...] they are views of
+    (allocate_layers), so that one indexing op moves a block's K and V in every layer. `user`
+    names who needs that, for the error when they are not such views."""
+    first = kv_caches[0]
+    layer_stride = kv_caches[1].storage_offset() - first.storage_offset() if len(kv_caches) > 1 else 0
+    for i, cache in enumerate(kv_caches):
+        if (cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or cache.storage_offset() != first.storage_offset() + i * layer_stride
+                or cache.shape != first.shape or cache.stride() != first.stride() or cache.dtype != first.dtype):
+            raise ValueError(f"{user} needs the layers' KV caches as views of one tensor "
+                             "(KVCacheLayout.allocate_layers)")
+    return first.as_strided((len(kv_caches), *first.shape), (layer_stride, *first.stride()), first.storage_offset())
+
+
 def plain_layout(kv_cache: torch.Tensor) -> KVCacheLayout:
     """The layout of a plain [2, num_blocks, block_size, num_kv_heads, head_dim] cache."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

@@ -35,6 +35,7 @@ import torch
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.kv_transfer import BlockCopy, KVConnectorOutput, OffloadingMetadata
 from minivllm.protocol.messages import SchedulerOutput
+from minivllm.worker.attention.kv_cache import stacked_layers
 from minivllm.worker.kv_connector.base import KVConnectorWorkerBase
 
 logger = logging.getLogger(__name__)
@@ -126,16 +127,7 @@ class OffloadingConnectorWorker(KVConnectorWorkerBase):
         """The layers' caches as one view [num_blocks, num_layers, 2, ...] (block-major, like a host
         block), so that a copy moves every layer's K and V of its blocks in one indexing op. They
         must be views of one tensor at a constant layer stride (KVCacheLayout.allocate_layers)."""
-        first = self.kv_caches[0]
-        layer_stride = self.kv_caches[1].storage_offset() - first.storage_offset() if len(self.kv_caches) > 1 else 0
-        for i, cache in enumerate(self.kv_caches):
-            if (cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                    or cache.storage_offset() != first.storage_offset() + i * layer_stride
-                    or cache.shape != first.shape or cache.stride() != first.stride() or cache.dtype != first.dtype):
-                raise ValueError("the CPU offload tier needs the layers' KV caches as views of one tensor "
-                                 "(KVCacheLayout.allocate_layers)")
-        stacked = first.as_strided((len(self.kv_caches), *first.shape), (layer_stride, *first.stride()),
-                                   first.storage_offset())
+        stacked = stacked_layers(self.kv_caches, "the CPU offload tier")
         return stacked.transpose(0, 2).transpose(1, 2)  # [L, 2, blocks, ...] -> [blocks, L, 2, ...]
 
     def _copy(self, copy: BlockCopy, to_host: bool) -> None:

@@ -23,7 +23,7 @@ from minivllm.protocol.kv_transfer import KVConnectorOutput
 from minivllm.protocol.messages import SchedulerOutput
 from minivllm.worker.kv_connector.base import KVConnectorWorkerBase
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
-from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob
+from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob, record_compute
 from minivllm.worker.kv_connector.tp_reports import TPReportCombiner
 
 logger = logging.getLogger(__name__)
@@ -88,10 +88,11 @@ class PDConnectorWorker(KVConnectorWorkerBase):
         metadata: PDConnectorMetadata | None = self.connector_metadata
         if metadata is None:
             return
+        ready = record_compute(self.device) if metadata.reqs_to_recv else None
         for spec in metadata.reqs_to_recv:
             address = f"tcp://{spec.remote_host}:{spec.remote_port + self.rank}"
             self.puller.start(PullJob(spec.req_id, spec.remote_req_id, address, spec.remote_block_ids,
-                                      spec.local_block_ids))
+                                      spec.local_block_ids, ready))
         if self.tp_reports is not None:
             self.tp_reports.started([s.req_id for s in metadata.reqs_to_recv], [s.req_id for s in metadata.reqs_to_send])
 
@@ -99,9 +100,10 @@ class PDConnectorWorker(KVConnectorWorkerBase):
         """Serve the blocks of this step's holds: after the forward is enqueued, as it may be the
         one that computes them (a transfer's copies wait for what is enqueued before them)."""
         metadata: PDConnectorMetadata | None = self.connector_metadata
-        if metadata is not None:
+        if metadata is not None and metadata.reqs_to_send:
+            ready = record_compute(self.device)
             for spec in metadata.reqs_to_send:
-                self.server.hold(spec.req_id, spec.block_ids)
+                self.server.hold(spec.req_id, spec.block_ids, ready)
 
     def get_finished(self, finished_req_ids: list[str]) -> KVConnectorOutput | None:
         finished_sending = self.server.take_released() if self.server is not None else set()

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from minivllm.worker.attention.kv_cache import stacked_layers
+from minivllm.worker.kv_connector import pd_zmq_transport
 from minivllm.worker.kv_connector.pd_zmq_transport import (
     _DTYPES,
     KVBlockPuller,
@@ -46,6 +48,7 @@ from minivllm.worker.kv_connector.pd_zmq_transport import (
     PullRequest,
     _Cancelled,
     _encode,
+    wait_for,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,7 +84,8 @@ def make_pair_group(store: dist.Store, pair_id: str, member: int, backend: str, 
     # Beyond our own deadline (timeout_s), so our abort comes first, not NCCL's watchdog.
     timeout = datetime.timedelta(seconds=timeout_s + 60)
     if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
+        # NCCL's own stream as the transport's (see pd_zmq_transport.transfer_stream).
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=pd_zmq_transport.HIGH_PRIORITY)
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, member, 2, options)
     return dist.ProcessGroupGloo(prefixed, member, 2, timeout)
@@ -131,15 +135,14 @@ class NcclBlockServer(KVBlockServer):
 
     def __init__(self, kv_caches: list[torch.Tensor], host: str, port: int, hold_timeout_s: float = 60.0,
                  transfer_timeout_s: float = 30.0) -> None:
-        self.device = kv_caches[0].device if kv_caches else torch.device("cpu")
-        self.cuda = self.device.type == "cuda"
+        self.cuda = bool(kv_caches) and kv_caches[0].device.type == "cuda"
         self.backend = "nccl" if self.cuda else "gloo"
         self.host = host
         self.transfer_timeout_s = transfer_timeout_s
         self.store: dist.TCPStore | None = None
         self.groups: dict[bytes, dist.ProcessGroup] = {}  # consumer identity -> its pair group
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.completion = _Completion(self.cuda, transfer_timeout_s)
+        self.stacked = stacked_layers(kv_caches, "the NCCL KV transport")  # [layers, 2, blocks, ...]
         super().__init__(kv_caches, host, port, hold_timeout_s)
 
     def handle_message(self, identity: bytes, message: msgspec.Struct) -> None:
@@ -160,7 +163,7 @@ class NcclBlockServer(KVBlockServer):
         self.groups[identity] = make_pair_group(self.store, message.pair_id, 0, self.backend, self.transfer_timeout_s)
         logger.info("KV pair group (%s) with a consumer made", self.backend)
 
-    def read_blocks(self, identity: bytes, request: PullRequest) -> list:
+    def read_blocks(self, identity: bytes, request: PullRequest, ready: torch.cuda.Event | None) -> list:
         """The whole transfer, while the lock keeps the blocks ours."""
         group = self.groups.get(identity)
         if group is None:
@@ -174,21 +177,20 @@ class NcclBlockServer(KVBlockServer):
                                 str(first.dtype).removeprefix("torch."), shape)
         self.socket.send_multipart([identity, _encode(header)])
         try:
-            self._send_chunks(group, request.block_ids, shape, per_chunk)
+            self._send_chunks(group, request.block_ids, shape, per_chunk, ready)
         except Exception as e:  # noqa: BLE001 - the consumer's pull fails; the blocks are released
             logger.warning("request %s: sending its KV failed (%s); dropping the pair group", request.req_id, e)
             abort_group(self.groups.pop(identity))
         return []
 
-    def _send_chunks(self, group: dist.ProcessGroup, block_ids: list[int], shape: list[int], per_chunk: int) -> None:
+    def _send_chunks(self, group: dist.ProcessGroup, block_ids: list[int], shape: list[int], per_chunk: int,
+                     ready: torch.cuda.Event | None) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         num_layers = len(self.kv_caches)
         first = self.kv_caches[0]
         buffers = [torch.empty([min(per_chunk, num_layers), *shape], dtype=first.dtype, device=self.device)
                    for _ in range(2 if num_layers > per_chunk else 1)]
-        if self.cuda:
-            # The blocks were written by steps already enqueued on the compute stream.
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        wait_for(self.stream, ready)  # (the step that computed the blocks)
         works: list[dist.Work] = []
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             for chunk, start in enumerate(range(0, num_layers, per_chunk)):
@@ -200,8 +202,10 @@ class NcclBlockServer(KVBlockServer):
                         works[chunk - len(buffers)].wait()  # the side stream waits, not the CPU
                     else:
                         self.completion.wait(works[chunk - len(buffers)], "a KV send")
-                for i, kv_cache in enumerate(layers):
-                    torch.index_select(kv_cache, 1, index, out=buffer[i])
+                # One kernel gathers the chunk's layers: while the model's kernels fill the GPU,
+                # every kernel of the transfer waits for SMs to free up (a GEMM's worth), so the
+                # transfer takes about as many of those waits as it has kernels in a row.
+                torch.index_select(self.stacked[start:start + per_chunk], 2, index, out=buffer)
                 works.append(group.send([buffer], 1, chunk))
             # (gloo: a send already waited for is not waited for again.)
             for work in works if self.cuda else works[-len(buffers):]:
@@ -225,6 +229,7 @@ class NcclBlockPuller(KVBlockPuller):
         self.groups: dict[str, dist.ProcessGroup] = {}  # producer address -> pair group
         self.stores: dict[str, dist.TCPStore] = {}
         self.completion = _Completion(self.cuda, timeout_s)
+        self.stacked = stacked_layers(kv_caches, "the NCCL KV transport")
         super().__init__(kv_caches, timeout_s)
 
     def _group(self, address: str, socket: zmq.Socket) -> dist.ProcessGroup:
@@ -276,6 +281,7 @@ class NcclBlockPuller(KVBlockPuller):
             works = {}
             for chunk in range(min(2, len(starts))):
                 works[chunk] = self._recv(group, buffers, chunk, starts, num_layers)
+            wait_for(self.stream, job.ready)  # before the scatters (the receives into staging need not wait)
             for chunk, start in enumerate(starts):
                 self.completion.wait(works.pop(chunk), f"layer {start} of {num_layers} from {job.address}", abandoned)
                 buffer = buffers[chunk % len(buffers)]
@@ -283,8 +289,7 @@ class NcclBlockPuller(KVBlockPuller):
                 with self.scatter_lock:
                     if job.req_id in self.cancelled:
                         raise _Cancelled()
-                    for i, kv_cache in enumerate(layers):
-                        kv_cache.index_copy_(1, index, buffer[i])
+                    self.stacked[start:start + per_chunk].index_copy_(2, index, buffer[:len(layers)])  # (one kernel)
                 received += buffer[:len(layers)].numel() * first.element_size()
                 if chunk + 2 < len(starts):
                     # Issued after the scatter on this stream: the receive waits for it to read the buffer.

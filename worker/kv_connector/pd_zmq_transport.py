@@ -18,6 +18,7 @@ Only plain data crosses the socket: msgspec headers and raw tensor bytes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -59,14 +60,50 @@ _decode_request = msgspec.msgpack.Decoder(PullRequest).decode
 _decode_reply = msgspec.msgpack.Decoder(LayerHeader | PullError).decode
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_blocks(kv_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V of these blocks, each one contiguous host tensor."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     keys = kv_cache[0].index_select(0, index)
     values = kv_cache[1].index_select(0, index)
     if keys.device.type != "cpu":
         keys, values = keys.cpu(), values.cpu()
     return keys.contiguous(), values.contiguous()
+
+
+# The transfer's streams (its gathers and scatters, and NCCL's) at high priority: while the model's
+# kernels fill the GPU, a transfer's blocks go first as SMs free up instead of queueing behind a
+# whole prefill's (benchmarks/pd_transfer.py measures both).
+HIGH_PRIORITY = True
+
+
+def transfer_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A side stream for a transfer's copies on `device` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device, priority=-1 if HIGH_PRIORITY else 0)  # (lower is higher)
+
+
+def record_compute(device: torch.device) -> torch.cuda.Event | None:
+    """An event at the end of what the compute stream has enqueued so far (None off CUDA).
+
+    A transfer's copies run on a side stream from another thread, later: ordering them after this
+    event, not after the whole compute stream at that time, keeps them from waiting for the steps
+    the worker enqueued since (with async scheduling there is always one)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def wait_for(stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None) -> None:
+    """Order `stream`'s next work after `ready`, or without one after all the compute stream has
+    enqueued (no-op off CUDA)."""
+    if stream is None:
+        return
+    if ready is None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    else:
+        stream.wait_event(ready)
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -78,6 +115,7 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
 class HeldRequest:
     block_ids: list[int]
     deadline: float
+    ready: torch.cuda.Event | None = None  # after the step that computed the blocks (record_compute)
 
 
 class KVBlockServer:
@@ -88,6 +126,9 @@ class KVBlockServer:
     def __init__(self, kv_caches: list[torch.Tensor], host: str, port: int, hold_timeout_s: float = 60.0) -> None:
         self.kv_caches = kv_caches
         self.hold_timeout_s = hold_timeout_s
+        self.device = kv_caches[0].device if kv_caches else torch.device("cpu")
+        # On CUDA the gathers run here, beside the model's stream, after the step that computed them.
+        self.stream = transfer_stream(self.device)
         self.address = f"tcp://{host}:{port}"
         self.lock = threading.Lock()
         self.held: dict[str, HeldRequest] = {}
@@ -109,10 +150,12 @@ class KVBlockServer:
         self.thread.start()
         logger.info("KV server at %s", self.address)
 
-    def hold(self, req_id: str, block_ids: list[int]) -> None:
-        """Keep these blocks for a consumer to pull (until pulled or hold_timeout_s)."""
+    def hold(self, req_id: str, block_ids: list[int], ready: torch.cuda.Event | None = None) -> None:
+        """Keep these blocks for a consumer to pull (until pulled or hold_timeout_s). On CUDA
+        `ready` marks the end of the step that computes them (record_compute): a transfer waits
+        for it, and for nothing enqueued after it."""
         with self.lock:
-            self.held[req_id] = HeldRequest(list(block_ids), time.monotonic() + self.hold_timeout_s)
+            self.held[req_id] = HeldRequest(list(block_ids), time.monotonic() + self.hold_timeout_s, ready)
 
     def drop(self, req_ids: list[str]) -> None:
         """Forget these holds (the scheduler freed their blocks): never read those blocks again.
@@ -218,17 +261,21 @@ class KVBlockServer:
             if error is not None:
                 self.socket.send_multipart([identity, _encode(PullError(request.req_id, error))])
                 return
-            layers = self.read_blocks(identity, request)
+            layers = self.read_blocks(identity, request, held.ready)
             with self.lock:
                 if self.held.pop(request.req_id, None) is not None:
                     self.released.add(request.req_id)
                     self._forget(request.req_id)
         self.write_blocks(identity, request, layers)
 
-    def read_blocks(self, identity: bytes, request: PullRequest) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def read_blocks(self, identity: bytes, request: PullRequest, ready: torch.cuda.Event | None,
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Called while the lock keeps the blocks ours; once it returns they may be freed. Here:
-        gathered into host copies (on CUDA one device-to-host copy per layer)."""
-        return [gather_blocks(kv_cache, request.block_ids) for kv_cache in self.kv_caches]
+        gathered into host copies (on CUDA one device-to-host copy per layer, on the side stream)."""
+        index = torch.tensor(request.block_ids, dtype=torch.long, device=self.device)
+        wait_for(self.stream, ready)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return [gather_blocks(kv_cache, index) for kv_cache in self.kv_caches]
 
     def write_blocks(self, identity: bytes, request: PullRequest, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         num_layers = len(layers)
@@ -256,6 +303,9 @@ class PullJob:
     address: str  # tcp://host:port of the producer's rank
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    # On CUDA: the compute stream's work when the blocks were allocated (record_compute). Steps in
+    # flight then may still touch blocks freed just before; the scatters wait for them.
+    ready: torch.cuda.Event | None = None
 
 
 class KVBlockPuller:
@@ -276,7 +326,7 @@ class KVBlockPuller:
         self.sockets: dict[str, zmq.Socket] = {}
         self.device = kv_caches[0].device if kv_caches else torch.device("cpu")
         # On CUDA the host-to-device copies run on their own stream, beside the model's.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = transfer_stream(self.device)
         # (request id, bytes, seconds from pull request to the last layer in the cache) per pull.
         self.transfers: list[tuple[str, int, float]] = []
         self.thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
@@ -350,6 +400,7 @@ class KVBlockPuller:
         socket = self._socket(job.address)
         socket.send(_encode(PullRequest(job.remote_req_id, job.remote_block_ids)))
         index = torch.tensor(job.local_block_ids, dtype=torch.long, device=self.device)
+        wait_for(self.stream, job.ready)
         received = 0
         num_layers = len(self.kv_caches)
         layers_seen = 0
