@@ -202,9 +202,9 @@ class NcclBlockServer(KVBlockServer):
                         works[chunk - len(buffers)].wait()  # the side stream waits, not the CPU
                     else:
                         self.completion.wait(works[chunk - len(buffers)], "a KV send")
-                # One kernel gathers the chunk's layers: while the model's kernels fill the GPU,
-                # every kernel of the transfer waits for SMs to free up (a GEMM's worth), so the
-                # transfer takes about as many of those waits as it has kernels in a row.
+                # One kernel gathers the chunk's layers: while the model's kernels fill the GPU a
+                # transfer runs ~10x slower (benchmarks/pd_transfer.py), each of its kernels
+                # presumably waiting for SMs to free up, so it should have few.
                 torch.index_select(self.stacked[start:start + per_chunk], 2, index, out=buffer)
                 works.append(group.send([buffer], 1, chunk))
             # (gloo: a send already waited for is not waited for again.)
