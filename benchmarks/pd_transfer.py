@@ -1,13 +1,14 @@
 """KV transfer GPU to GPU (the P2pNcclConnector's transport) with the GPUs idle and with both busy.
 
-    python benchmarks/pd_transfer.py [--layers 36] [--tokens 5000] [--pulls 8] [--json PATH]
+    python benchmarks/pd_transfer.py [--layers 36] [--tokens 5000] [--pulls 8] [--chunk-mib 64,256] [--json PATH]
 
 A producer's paged cache on cuda:0 and a consumer's on cuda:1, in one process as in a worker
 (the server and puller threads beside it); Qwen3-8B's KV shape by default (8 KV heads of 128,
 bf16). Each pull moves one request's blocks. "busy": a thread on each GPU keeps it running
 8192x8192 matmuls on the default stream, as a prefill or decode step would, while the pulls run;
 that is what the 1P1D serving run sees. Both with the transfer's streams at normal priority and
-at high priority (the transport's default). Needs two CUDA devices.
+at high priority (the transport's default); for each staging chunk size in --chunk-mib (the
+transport's CHUNK_BYTES: fewer, larger chunks mean fewer kernels in a row). Needs two CUDA devices.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from minivllm.worker.kv_connector import pd_zmq_transport
+from minivllm.worker.kv_connector import pd_nccl_transport, pd_zmq_transport
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import PullJob
 
@@ -32,8 +33,9 @@ def busy(device: str, stop: threading.Event) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(args: argparse.Namespace, high_priority: bool, loaded: bool, port: int) -> dict:
+def measure(args: argparse.Namespace, chunk_mib: int, high_priority: bool, loaded: bool, port: int) -> dict:
     pd_zmq_transport.HIGH_PRIORITY = high_priority
+    pd_nccl_transport.CHUNK_BYTES = chunk_mib << 20
     num_blocks = args.tokens // 16 * 2 + 64
     shape = (args.layers, 2, num_blocks, 16, 8, 128)  # views of one tensor, as a worker allocates them
     producer = list(torch.randn(shape, device="cuda:0", dtype=torch.bfloat16).unbind(0))
@@ -72,7 +74,7 @@ def measure(args: argparse.Namespace, high_priority: bool, loaded: bool, port: i
     moved = sum(c[:, remote].numel() * c.element_size() for c in producer)
     seconds.sort()
     median = seconds[len(seconds) // 2]
-    return {"high_priority": high_priority, "busy": loaded, "gigabytes": moved / 1e9, "median_ms": median * 1e3,
+    return {"chunk_mib": chunk_mib, "high_priority": high_priority, "busy": loaded, "gigabytes": moved / 1e9, "median_ms": median * 1e3,
             "gb_per_s": moved / median / 1e9}
 
 
@@ -81,6 +83,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--tokens", type=int, default=5000)
     parser.add_argument("--pulls", type=int, default=8)
+    parser.add_argument("--chunk-mib", default="64", help="comma-separated staging chunk sizes (MiB)")
     parser.add_argument("--port", type=int, default=29650)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -88,10 +91,12 @@ def main() -> int:
         print("needs two CUDA devices")
         return 0
     rows = []
-    for n, (high, loaded) in enumerate([(False, False), (False, True), (True, False), (True, True)]):
-        rows.append(measure(args, high, loaded, args.port + n))
+    cases = [(int(c), high, loaded) for c in args.chunk_mib.split(",") for high in (False, True)
+             for loaded in (False, True)]
+    for n, (chunk_mib, high, loaded) in enumerate(cases):
+        rows.append(measure(args, chunk_mib, high, loaded, args.port + n))
         r = rows[-1]
-        print(f"priority {'high' if high else 'normal':6} GPUs {'busy' if loaded else 'idle':4}: "
+        print(f"chunk {chunk_mib:4} MiB, priority {'high' if high else 'normal':6}, GPUs {'busy' if loaded else 'idle':4}: "
               f"{r['gigabytes']:.2f} GB in {r['median_ms']:.1f} ms = {r['gb_per_s']:.1f} GB/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
