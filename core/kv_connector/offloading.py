@@ -5,7 +5,8 @@ Host memory holds `num_host_blocks` blocks (kv_offloading_size GiB / the bytes o
 every layer). It serves two uses:
 
 * a second-level prefix cache: a GPU block evicted from the prefix cache still holds the KV of
-  its hash; it is copied (spilled) into a host block kept in LRU order by hash. A request whose
+  its hash; it is copied (spilled) into a host block kept in LRU order by hash (copies of blocks
+  the GPU still holds are evicted first: HostBlockPool). A request whose
   GPU prefix-cache hit stops at a block the host tier holds loads the run of host blocks that
   follows instead of recomputing it. Blocks are copied out ahead of their eviction, while the
   forwards run: each block registered in the prefix cache, one step after the step that computes
@@ -59,41 +60,71 @@ def _sort_by_host_block(copy: BlockCopy) -> None:
 
 
 class HostBlockPool:
-    """Host block slots: free ones, an LRU of cached ones (hash -> slot; evictable unless pinned),
-    and ones owned by a swapped-out request (never evicted)."""
+    """Host block slots: free ones, cached ones (hash -> slot; evictable unless pinned), and ones
+    owned by a swapped-out request (never evicted).
+
+    Cached blocks are kept in two LRU orders. Those the GPU prefix cache dropped are the tier's
+    own content. Those copied ahead (write-through) while the GPU still holds them are duplicates:
+    a hit on them needs no load, and they cost the tier capacity. Room is made from the duplicates
+    first (a dropped one is copied out again ahead of its eviction), so host and GPU together hold
+    as many distinct blocks as they have room for: with a working set larger than the host alone,
+    a single LRU over both would hold ~one copy less of it and, visited round-robin as
+    conversations are, thrash."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.free_slots: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out slot 0 first
-        self.lru: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        # least recently used first, each
+        self.host_only: OrderedDict[BlockHash, int] = OrderedDict()
+        self.on_gpu_too: OrderedDict[BlockHash, int] = OrderedDict()
         self.pins: dict[int, int] = {}  # slot -> loads reading it
 
     def lookup(self, block_hash: BlockHash) -> int | None:
-        return self.lru.get(block_hash)
+        slot = self.host_only.get(block_hash)
+        return slot if slot is not None else self.on_gpu_too.get(block_hash)
 
-    def touch(self, block_hash: BlockHash) -> None:
-        self.lru.move_to_end(block_hash)
+    def num_cached(self) -> int:
+        return len(self.host_only) + len(self.on_gpu_too)
+
+    def cached_slots(self) -> list[int]:
+        return [*self.host_only.values(), *self.on_gpu_too.values()]
+
+    def insert(self, block_hash: BlockHash, slot: int, on_gpu: bool) -> None:
+        """A block just copied out: of a block the GPU keeps (on_gpu) or one it is dropping."""
+        assert self.lookup(block_hash) is None
+        (self.on_gpu_too if on_gpu else self.host_only)[block_hash] = slot
+
+    def left_gpu(self, block_hash: BlockHash) -> None:
+        """The GPU prefix cache dropped this cached block: the host's copy is the one left (and the
+        most recently used)."""
+        self.host_only[block_hash] = self._pop(block_hash)
+
+    def back_on_gpu(self, block_hash: BlockHash) -> None:
+        """This cached block was loaded into a GPU block (which the prefix cache will hold)."""
+        self.on_gpu_too[block_hash] = self._pop(block_hash)
+
+    def _pop(self, block_hash: BlockHash) -> int:
+        slot = self.host_only.pop(block_hash, None)
+        return slot if slot is not None else self.on_gpu_too.pop(block_hash)
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """`num_blocks` slots (evicting least recently used cached blocks), or None, changing
-        nothing, when not that many are free or evictable."""
+        """`num_blocks` slots (evicting cached blocks: duplicates of GPU blocks first, then the
+        least recently used), or None, changing nothing, when not that many are free or evictable."""
         num_to_evict = num_blocks - len(self.free_slots)
-        victims: list[BlockHash] = []
-        if num_to_evict > 0:
-            for block_hash, slot in self.lru.items():  # oldest first; pinned ones are few
+        victims: list[tuple[OrderedDict, BlockHash]] = []
+        for order in (self.on_gpu_too, self.host_only):
+            if len(victims) >= num_to_evict:
+                break
+            for block_hash, slot in order.items():  # oldest first; pinned ones are few
                 if slot not in self.pins:
-                    victims.append(block_hash)
+                    victims.append((order, block_hash))
                     if len(victims) == num_to_evict:
                         break
-            if len(victims) < num_to_evict:
-                return None
+        if len(victims) < num_to_evict:
+            return None
         slots = [self.free_slots.pop() for _ in range(min(num_blocks, len(self.free_slots)))]
-        slots += [self.lru.pop(block_hash) for block_hash in victims]
+        slots += [order.pop(block_hash) for order, block_hash in victims]
         return slots
-
-    def insert(self, block_hash: BlockHash, slot: int) -> None:
-        assert block_hash not in self.lru
-        self.lru[block_hash] = slot
 
     def free(self, slots: list[int]) -> None:
         self.free_slots.extend(reversed(slots))
@@ -112,10 +143,11 @@ class HostBlockPool:
 
     def clear_cache(self) -> None:
         """Drop every cached block not being read (reset_prefix_cache)."""
-        for block_hash, slot in list(self.lru.items()):
-            if slot not in self.pins:
-                del self.lru[block_hash]
-                self.free_slots.append(slot)
+        for order in (self.host_only, self.on_gpu_too):
+            for block_hash, slot in list(order.items()):
+                if slot not in self.pins:
+                    del order[block_hash]
+                    self.free_slots.append(slot)
 
 
 def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -210,12 +242,12 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         if ahead_batch is not None:  # the forward that overwrites it waits for that copy
             self.wait_for_ahead_batch = max(self.wait_for_ahead_batch, ahead_batch)
         if self.host.lookup(block_hash) is not None:
-            self.host.touch(block_hash)  # already there (copied ahead, or spilled and loaded back since)
+            self.host.left_gpu(block_hash)  # already there (copied ahead, or spilled and loaded back since)
             return
         slots = self.host.allocate(1)
         if slots is None:
             return  # every host block is pinned or swapped: this one is simply lost
-        self.host.insert(block_hash, slots[0])
+        self.host.insert(block_hash, slots[0], on_gpu=False)
         self._add_store(block.block_id, slots[0])
         self.num_spilled += 1
 
@@ -283,7 +315,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
                 return 0, False
             self.offers[request_id] = (slots[first_block:cdiv(target, self.block_size)], first_block, True)
             return target - num_computed_tokens, True
-        if not self.host.lru:
+        if not self.host.num_cached():
             return 0, False
         # The run of host-cached full blocks right after the GPU hit (never the block holding the
         # last known token: its logits are needed). block_hashes cover every full block by now.
@@ -322,7 +354,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
         else:
             self.host.unpin(offered[num_blocks:])  # offered but not taken (the scheduler clamped)
             for block_hash in request.block_hashes[first_block:first_block + num_blocks]:
-                self.host.touch(block_hash)
+                self.host.back_on_gpu(block_hash)
             self.num_loaded_hits += num_blocks
         self.loading[request.request_id] = (slots, is_swap)
         # A slot copied ahead whose GPU block was never evicted (so nothing waited for the copy
@@ -363,7 +395,7 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
             slots = self.host.allocate(1)
             if slots is None:
                 break  # every host block is pinned or swapped
-            self.host.insert(block_hash, slots[0])
+            self.host.insert(block_hash, slots[0], on_gpu=True)
             copy.gpu_block_ids.append(block.block_id)
             copy.host_block_ids.append(slots[0])
             self.ahead_batch_of_block[block.block_id] = self.next_ahead_batch

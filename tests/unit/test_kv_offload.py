@@ -29,17 +29,31 @@ def test_host_pool_hands_out_free_slots_then_evicts_least_recently_used() -> Non
     slots = host.allocate(3)
     assert sorted(slots) == [0, 1, 2] and host.allocate(1) is None
     for block_hash, slot in zip([b"a", b"b", b"c"], slots):
-        host.insert(block_hash, slot)
-    host.touch(b"a")  # b is now the oldest
+        host.insert(block_hash, slot, on_gpu=False)
+    host.left_gpu(b"a")  # b is now the oldest
     [evicted] = host.allocate(1)
     assert evicted == slots[1] and host.lookup(b"b") is None and host.lookup(b"a") == slots[0]
+
+
+def test_host_pool_evicts_copies_of_blocks_the_gpu_still_holds_first() -> None:
+    host = HostBlockPool(4)
+    a, b, c, d = host.allocate(4)
+    host.insert(b"a", a, on_gpu=False)  # the oldest, but the host's copy is the only one
+    host.insert(b"b", b, on_gpu=True)
+    host.insert(b"c", c, on_gpu=True)
+    host.insert(b"d", d, on_gpu=False)
+    host.left_gpu(b"b")  # evicted from the GPU since: now the tier's own, most recently used
+    host.back_on_gpu(b"a")  # loaded back into the GPU: a duplicate again
+    assert host.allocate(2) == [c, a]  # the duplicates, oldest first
+    assert host.allocate(1) == [d]  # then the least recently used of the rest
+    assert host.lookup(b"b") == b and host.num_cached() == 1
 
 
 def test_host_pool_never_evicts_pinned_slots_and_fails_without_changes() -> None:
     host = HostBlockPool(2)
     a, b = host.allocate(2)
-    host.insert(b"a", a)
-    host.insert(b"b", b)
+    host.insert(b"a", a, on_gpu=False)
+    host.insert(b"b", b, on_gpu=True)
     host.pin([a])
     assert host.allocate(2) is None
     assert host.lookup(b"a") == a and host.lookup(b"b") == b  # nothing evicted by the failed call
@@ -51,8 +65,8 @@ def test_host_pool_never_evicts_pinned_slots_and_fails_without_changes() -> None
 def test_host_pool_clear_cache_keeps_what_loads_read() -> None:
     host = HostBlockPool(3)
     a, b, c = host.allocate(3)
-    host.insert(b"a", a)
-    host.insert(b"b", b)
+    host.insert(b"a", a, on_gpu=False)
+    host.insert(b"b", b, on_gpu=True)
     host.pin([b])
     host.free([c])
     host.clear_cache()
@@ -174,8 +188,8 @@ def assert_host_clean(scheduler: Scheduler) -> None:
     host = connector.host
     assert connector.swapped == {} and connector.loading == {} and connector.offers == {} and host.pins == {}
     assert connector.swap_owned == set()
-    assert len(host.free_slots) + len(host.lru) == host.num_blocks
-    assert len(set(host.free_slots) | set(host.lru.values())) == host.num_blocks  # no slot twice
+    assert len(host.free_slots) + host.num_cached() == host.num_blocks
+    assert len(set(host.free_slots) | set(host.cached_slots())) == host.num_blocks  # no slot twice
 
 
 @pytest.mark.parametrize("load_delay", [0, 2])
@@ -271,9 +285,9 @@ def test_abort_while_swapped_out_and_while_swapping_in_frees_everything(fake_mod
 def test_reset_prefix_cache_empties_the_host_tier(fake_model: str) -> None:
     scheduler, worker = make(fake_model, 16, 64)
     run_rounds(scheduler, worker, rounds=2)
-    assert scheduler.connector.host.lru
+    assert scheduler.connector.host.num_cached()
     assert scheduler.reset_prefix_cache()
-    assert not scheduler.connector.host.lru
+    assert not scheduler.connector.host.num_cached()
     assert_host_clean(scheduler)
     # The GPU blocks lost their hashes (no eviction will report their reuse): the next step that
     # reaches the worker waits for every copy made ahead so far.
