@@ -217,8 +217,14 @@ class RayExecutor(ZmqExecutor):
             code = ray.get(ready[0])
             reason = f"{self._where(rank)} exited unexpectedly with code {code}"
         except ray.exceptions.RayError as e:
-            node_dead = not self._node_alive(self.infos[rank]["node_id"])
-            cause = "its node is dead" if node_dead else "the actor died"
+            if not self._node_alive(self.infos[rank]["node_id"]):
+                cause = "its node is dead"
+            elif isinstance(e, ray.exceptions.ActorUnavailableError):
+                # What a node going down looks like at first: Ray marks the node dead only after
+                # its health checks fail (~15 s), too late to tell the two apart here.
+                cause = "the actor died or its node went down"
+            else:
+                cause = "the actor died"
             detail = " ".join(str(e).split())[:400]
             reason = f"{self._where(rank)} is gone: {cause} ({type(e).__name__}: {detail})"
         self.dead_reasons[rank] = reason
