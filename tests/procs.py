@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 
 def pid_alive(pid: int) -> bool:
@@ -26,17 +27,19 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     return alive
 
 
-def kill_during_generate(llm, victim_pid: int, match: str, *, num_requests: int = 32, max_tokens: int = 400,
-                         delay: float = 1.0, within: float = 15.0) -> None:
-    """SIGKILL `victim_pid` `delay` seconds into a generate of many long requests (it must still be
-    running then): the generate must raise EngineDeadError matching `match` within `within` s."""
+def kill_during_generate(llm, victim: int | Callable[[], object], match: str, *, num_requests: int = 32,
+                         max_tokens: int = 400, delay: float = 1.0, within: float = 15.0) -> None:
+    """SIGKILL the process `victim` (or call `victim`: e.g. take a node down) `delay` seconds into a
+    generate of many long requests (it must still be running then): the generate must raise
+    EngineDeadError matching `match` within `within` s."""
     import pytest
 
     from minivllm import SamplingParams
     from minivllm.frontend.core_client import EngineDeadError
 
     long_job = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    threading.Timer(delay, os.kill, (victim_pid, signal.SIGKILL)).start()
+    kill = victim if callable(victim) else lambda: os.kill(victim, signal.SIGKILL)
+    threading.Timer(delay, kill).start()
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=match):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_requests, long_job, use_tqdm=False)

@@ -8,16 +8,12 @@ Skipped when Ray is not installed.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from minivllm import LLM, EngineDeadError, SamplingParams  # noqa: E402
+from minivllm import LLM  # noqa: E402
+from tests.procs import kill_during_generate  # noqa: E402
 
 from tests.e2e.test_ray import (  # noqa: E402, F401  (fixtures are found by name)
     ENGINE_ARGS,
@@ -50,12 +46,7 @@ def test_killed_stage_actor_is_engine_dead_naming_rank_stage_and_node(ray_cluste
     pids = [llm.engine_info.engine_pid, *llm.engine_info.worker_pids]
     victim_pid = llm.engine_info.worker_pids[victim]
     node_ip = ray.util.get_node_ip_address()  # both simulated nodes share this host's address
-    long_job = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    threading.Timer(1.0, os.kill, (victim_pid, signal.SIGKILL)).start()
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError, match=f"worker {victim} \\(Ray actor, pid {victim_pid}, pipeline stage "
-                                              f"{victim}\\) on node {node_ip}"):
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 32, long_job, use_tqdm=False)
-    assert time.monotonic() - start < 15
+    kill_during_generate(llm, victim_pid, f"worker {victim} \\(Ray actor, pid {victim_pid}, pipeline stage "
+                                          f"{victim}\\) on node {node_ip}")
     llm.shutdown()
     assert_nothing_left(pids)
