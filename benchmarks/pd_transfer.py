@@ -9,6 +9,10 @@ bf16). Each pull moves one request's blocks. "busy": a thread on each GPU keeps 
 that is what the 1P1D serving run sees. Both with the transfer's streams at normal priority and
 at high priority (the transport's default); for each staging chunk size in --chunk-mib (the
 transport's CHUNK_BYTES: fewer, larger chunks mean fewer kernels in a row). Needs two CUDA devices.
+
+NCCL moves point-to-point data with kernels of its own, which wait for SMs like any other; run it
+again with NCCL_P2P_USE_CUDA_MEMCPY=1 in the environment to have NCCL use the copy engines instead
+(NCCL reads it once per process, hence a second run).
 """
 
 from __future__ import annotations
