@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import threading
 import time
 
@@ -27,6 +29,9 @@ import torch
 from minivllm.worker.kv_connector import pd_nccl_transport, pd_zmq_transport
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import PullJob
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.pd_procs import wait_for_pull  # noqa: E402
 
 
 def busy(device: str, stop: threading.Event) -> None:
@@ -60,12 +65,8 @@ def measure(args: argparse.Namespace, chunk_mib: int, high_priority: bool, loade
             server.hold(f"p{i}", remote)
             start = time.perf_counter()
             puller.start(PullJob(f"d{i}", f"p{i}", f"tcp://127.0.0.1:{port}", remote, local))
-            while True:
-                done, failed = puller.take_finished()
-                if done or failed:
-                    assert not failed, failed
-                    break
-                time.sleep(0.0005)
+            done, failed = wait_for_pull(puller, timeout=120.0, interval=0.0005)
+            assert not failed, failed
             if i:
                 seconds.append(time.perf_counter() - start)
     finally:
