@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from minivllm.protocol.config import EngineConfig
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, DECODE_LONG_CONTEXT_MAX_SEQS, AttentionMetadata
 from minivllm.worker.input_batch import StepInputs
@@ -54,6 +55,12 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
 
 def _pad(array: np.ndarray, length: int, value: int) -> np.ndarray:
     return np.concatenate([array, np.full(length - len(array), value, dtype=np.int64)])
+
+
+def max_step_tokens(config: EngineConfig) -> int:
+    """How many tokens a step's persistent inputs hold: a step schedules at most
+    max_num_batched_tokens, and a decode graph pads to as many rows as max_num_seqs."""
+    return max(config.max_num_batched_tokens, config.max_num_seqs)
 
 
 class StepBuffers:

@@ -31,7 +31,7 @@ from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
-from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs, run_forward
+from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs, max_step_tokens, run_forward
 from minivllm.worker.input_batch import InputBatch, StepInputs
 from minivllm.worker.kv_connector import make_kv_connector_driver
 from minivllm.worker.logits_processors import apply_logits_processors
@@ -112,8 +112,7 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size, self.device)
         self.buffers: StepBuffers | None = None
         if self.device.type == "cuda":  # persistent inputs: graphs read them, steps copy into them
-            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.input_batch.max_blocks_per_req,
+            self.buffers = StepBuffers(max_step_tokens(config), config.max_num_seqs, self.input_batch.max_blocks_per_req,
                                        self.device)
             self.buffers.kv_layout = self.kv_layout
         self.graphs: StepGraphs | None = None

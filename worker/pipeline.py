@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import CachedRequestData
+from minivllm.worker.cuda_graphs import max_step_tokens
 from minivllm.worker.distributed import (
     get_pp_rank,
     get_pp_world_size,
@@ -108,8 +109,7 @@ def make_pipeline_stage(config: EngineConfig, model: torch.nn.Module, dtype: tor
                         device: torch.device) -> PipelineStage | None:
     if config.pipeline_parallel_size == 1:
         return None
-    max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)  # as the step buffers
-    return PipelineStage(model.config.hidden_size, dtype, device, max_tokens)
+    return PipelineStage(model.config.hidden_size, dtype, device, max_step_tokens(config))
 
 
 def apply_new_token_ids(batch: InputBatch, cached: CachedRequestData) -> None:
