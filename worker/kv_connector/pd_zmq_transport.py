@@ -211,9 +211,10 @@ class KVBlockServer:
                 with self.lock:
                     waits = request.req_id not in self.held and request.req_id not in self.gone
                 if waits:
-                    # The pull may overtake the hold where the producer's scheduler tells its
-                    # worker to hold a prefill's blocks only once it finished (with its next
-                    # step; see core/kv_connector/pd_connector.py). Wait a little.
+                    # The pull may overtake the hold: a worker registers it right after launching
+                    # the step that completes the prompt, which nearly always precedes the answer
+                    # that leads to the pull, but with tensor parallelism only rank 0's report
+                    # gates that answer, and another rank may lag. Wait a little.
                     self.waiting.append((identity, request, time.monotonic() + self.hold_grace_s))
                     continue
                 self._send_blocks(identity, request)
