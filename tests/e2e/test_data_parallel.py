@@ -48,12 +48,15 @@ def test_async_dp2_equals_one_engine_and_abort_reaches_the_owner(tiny_llama, ref
                 pass
             return out.outputs[0]
 
-        long_task = asyncio.create_task(one("long", {"prompt_token_ids": [3, 4, 5]}, long_job))
-        await asyncio.sleep(0.5)
+        # Abort the long job once it runs (its first token is out), whatever the CPU's speed: a
+        # fixed wait let it reach max_tokens first on a fast box.
+        long_stream = engine.generate({"prompt_token_ids": [3, 4, 5]}, long_job, request_id="long")
+        aborted = (await anext(long_stream)).outputs[0]
         owners = [i for i, core in enumerate(engine.client.cores) if core.has_request("long")]
-        results = await asyncio.gather(*(one(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
         await engine.abort("long")
-        aborted = await long_task
+        async for out in long_stream:
+            aborted = out.outputs[0]
+        results = await asyncio.gather(*(one(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
         # The owning core freed it: nothing is left running anywhere.
         stats = await engine.get_stats()
         assert stats.num_running_reqs == stats.num_waiting_reqs == 0
