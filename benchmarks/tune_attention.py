@@ -20,6 +20,7 @@ import itertools
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
@@ -29,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.triton_attention import (
+    DECODE,
+    DECODE_FP8,
     DecodeConfig,
     PrefillConfig,
     decode_attention,
@@ -46,6 +49,8 @@ CASES = {
     "prefill-32k": [[(c, 8192)] for c in (0, 8192, 16384, 24576)],
     "prefill-1x16384": [[(0, 16384)]],
     "decode-256x700": [[(700, 1)] * 256],
+    # the 256-request workload's decode steps: contexts from 100 to 1280 tokens, in arrival order
+    "decode-256xragged": [[(int(n), 1) for n in np.random.default_rng(0).integers(100, 1280, 256)]],
     "decode-32x4096": [[(4096, 1)] * 32],
     "decode-4x16384": [[(16384, 1)] * 4],
 }
@@ -82,6 +87,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=4)
     parser.add_argument("--baseline", help="another triton_attention.py to time beside this one")
     parser.add_argument("--no-sweep", action="store_true", help="time the default shapes only")
+    parser.add_argument("--configs", help="sweep these shapes only, ';'-separated, each the config's fields "
+                                          "comma-separated (none for None), e.g. '128,64,8,3,none;64,64,4,3,none'")
     parser.add_argument("--graph-seqs", type=int, default=257,
                         help="pad prefill steps with empty sequences to this many, as the engine's CUDA graphs do "
                              "(max_num_seqs + 1); 0: no padding")
@@ -111,7 +118,11 @@ def main() -> None:
                     paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
 
         results = []
-        for tiles in [] if args.no_sweep else DECODE_CONFIGS if decode else PREFILL_CONFIGS:
+        sweep = DECODE_CONFIGS if decode else PREFILL_CONFIGS
+        if args.configs:
+            kind = DecodeConfig if decode else PrefillConfig
+            sweep = [kind(*[None if v == "none" else int(v) for v in c.split(",")]) for c in args.configs.split(";")]
+        for tiles in [] if args.no_sweep else sweep:
             try:
                 ms = do_bench(lambda: run(tiles), warmup=10, rep=50, return_mode="median")
             except Exception as exc:  # out of shared memory etc.
@@ -122,7 +133,11 @@ def main() -> None:
         default_ms = do_bench(lambda: run(None), warmup=10, rep=50, return_mode="median")
         best = "\n    ".join(f"{tuple(t)} {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}" for ms, t in results[: args.top])
         print(f"{name}{' fp8' if args.fp8 else ''}: default {default_ms * 1000:.0f} us = "
-              f"{work / default_ms * 1000:.0f} {unit}; best {best}")
+              f"{work / default_ms * 1000:.2f} {unit}; best {best}")
+        if decode:  # the default shape without running the longest sequences first
+            in_order = (DECODE_FP8 if args.fp8 else DECODE)._replace(longest_first=False)
+            ms = do_bench(lambda: run(in_order), warmup=10, rep=50, return_mode="median")
+            print(f"  default, sequences in order: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if baseline is not None:
             def run_baseline():
                 for q, cache, md in steps:

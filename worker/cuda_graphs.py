@@ -159,12 +159,14 @@ class StepGraphs:
         b.slot_mapping[:num_tokens] = -1
         b.seq_lens[:num_seqs] = 0
         b.query_start_loc[: num_seqs + 1] = torch.linspace(0, num_tokens, num_seqs + 1, device=b.seq_lens.device).int()
-        metadata = b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len)
-        args = (b.input_ids[:num_tokens], b.positions[:num_tokens], metadata)
-        forward(*args)  # warm-up: compiles kernels, settles the allocator
+        inputs = (b.input_ids[:num_tokens], b.positions[:num_tokens])
+        forward(*inputs, b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len))  # warm-up: compiles, settles
         graph = torch.cuda.CUDAGraph()
+        # A metadata object of its own: one keeps what its step's first layer computes for the
+        # rest (AttentionMetadata.longest_first), which the graph must compute, not inherit.
+        metadata = b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len)
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[key] = forward(*args)
+            self.outputs[key] = forward(*inputs, metadata)
         self.pool = graph.pool()
         self.graphs[key] = graph
 

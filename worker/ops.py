@@ -27,7 +27,7 @@ try:
 
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from minivllm.worker.attention.triton_attention import store_kv_args, store_token_kv
+    from minivllm.worker.attention.triton_attention import STORE_KV_STRIDES, store_kv_args, store_token_kv
 except ImportError:  # CPU-only torch builds have no Triton: the torch versions serve
     triton = None
 
@@ -82,8 +82,8 @@ if triton is not None:
                           # store_token_kv's arguments (triton_attention.store_kv_args), used with STORE_KV
                           key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                           stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-                          stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block,
-                          stride_scale_slot,
+                          stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                          stride_v_dim, stride_scale_block, stride_scale_slot, stride_scale_head,
                           NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF_ROT: tl.constexpr, HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr,
                           DIM_PADDED: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
@@ -135,7 +135,8 @@ if triton is not None:
             store_token_kv(
                 key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
                 stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-                stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                stride_scale_block, stride_scale_slot, stride_scale_head,
                 NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
     @triton.jit
@@ -200,8 +201,8 @@ def norm_rope(
     if kv_store is not None:
         value, kv_cache, slot_mapping, layout = kv_store
         store_args, store_constants = store_kv_args(k, value, kv_cache, slot_mapping, layout)
-    else:  # unused stand-ins, as many as store_kv_args gives: 7 tensors, 9 strides
-        store_args = (q,) * 7 + (0,) * 9
+    else:  # unused stand-ins, as many as store_kv_args gives: 7 tensors and the strides
+        store_args = (q,) * 7 + (0,) * STORE_KV_STRIDES
         store_constants = dict(NUM_KV_HEADS=1, KV_HEADS_PADDED=1, HEAD_DIM=head_dim, HEAD_DIM_PADDED=1, BLOCK_SIZE=1,
                                FP8=False, FP8_MAX=1.0, MIN_SCALE=1.0)
     _norm_rope_kernel[(num_tokens,)](

@@ -36,19 +36,26 @@ def make_step(contexts: list[int], query_lens: list[int], block_table: np.ndarra
         max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()))
 
 
+def attention_layer(cache: torch.Tensor, device: torch.device):
+    """A forward of one attention layer over the paged cache, its q/k/v from a random embedding."""
+    embedding = torch.randn(VOCAB, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=device)
+    backend = TritonAttentionBackend()
+
+    def forward(input_ids, positions, metadata):
+        q, k, v = embedding[input_ids].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        return backend.forward(q.reshape(-1, HEADS, HEAD_DIM).contiguous(), k.reshape(-1, KV_HEADS, HEAD_DIM).contiguous(),
+                               v.reshape(-1, KV_HEADS, HEAD_DIM).contiguous(), cache, metadata, HEAD_DIM ** -0.5)
+
+    return forward
+
+
 def test_verify_steps_replay_verify_graphs_and_equal_eager() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda")
     layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
     cache = layout.allocate(8 * MAX_BLOCKS, device)
     block_table = np.arange(8 * MAX_BLOCKS, dtype=np.int32).reshape(8, MAX_BLOCKS)[::-1].copy()
-    embedding = torch.randn(VOCAB, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=device)
-    backend = TritonAttentionBackend()
-
-    def forward(input_ids, positions, metadata):  # one attention layer over the paged cache
-        q, k, v = embedding[input_ids].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-        return backend.forward(q.reshape(-1, HEADS, HEAD_DIM).contiguous(), k.reshape(-1, KV_HEADS, HEAD_DIM).contiguous(),
-                               v.reshape(-1, KV_HEADS, HEAD_DIM).contiguous(), cache, metadata, HEAD_DIM ** -0.5)
+    forward = attention_layer(cache, device)
 
     buffers = StepBuffers(512, 8, MAX_BLOCKS, device)
     buffers.kv_layout = layout
@@ -70,3 +77,31 @@ def test_verify_steps_replay_verify_graphs_and_equal_eager() -> None:
         replayed = graphs.run(step)
         assert replayed is not None and replayed.shape == expected.shape
         torch.testing.assert_close(replayed, expected)
+
+
+def test_large_decode_batches_replay_graphs_and_equal_eager() -> None:
+    """A decode step of more (sequence, KV head) programs than the GPU has SMs runs its sequences
+    longest first. The graph computes that order on every replay (a capture once inherited the
+    order its warm-up computed, whose memory was freed and reused, and replays read garbage), so
+    with freed memory overwritten in between, replays still equal the eager forward."""
+    torch.manual_seed(1)
+    device = torch.device("cuda")
+    num_seqs = torch.cuda.get_device_properties(device).multi_processor_count  # x KV_HEADS programs
+    layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
+    cache = layout.allocate(num_seqs * MAX_BLOCKS, device).normal_()
+    rng = np.random.default_rng(2)
+    block_table = rng.permutation(num_seqs * MAX_BLOCKS).astype(np.int32).reshape(num_seqs, MAX_BLOCKS)
+    forward = attention_layer(cache, device)
+    buffers = StepBuffers(512, num_seqs, MAX_BLOCKS, device)
+    buffers.kv_layout = layout
+    graphs = StepGraphs(forward, buffers, max_num_seqs=num_seqs, max_num_batched_tokens=512,
+                        max_model_len=MAX_BLOCKS * BLOCK)
+    junk = torch.full((64 << 20,), 2**30, dtype=torch.int32, device=device)  # reuses whatever was freed
+    for batch in (num_seqs, num_seqs - 3):
+        step = make_step(rng.integers(0, MAX_BLOCKS * BLOCK - 1, batch).tolist(), [1] * batch, block_table)
+        assert graphs.bucket(step)[0] == ("decode", num_seqs)
+        metadata = buffers.load(step)
+        expected = forward(buffers.input_ids[:batch], buffers.positions[:batch], metadata).clone()
+        replayed = graphs.run(step)
+        torch.testing.assert_close(replayed, expected)
+    del junk

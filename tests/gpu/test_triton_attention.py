@@ -12,6 +12,8 @@ from minivllm.worker.attention.reference import write_kv
 
 pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
 from minivllm.worker.attention.triton_attention import (  # noqa: E402
+    DECODE,
+    DECODE_FP8,
     DecodeConfig,
     decode_attention,
     paged_attention,
@@ -97,7 +99,10 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=True)
     metadata = AttentionMetadata(**{**plain.__dict__, "kv_layout": layout})
     num_blocks = int(metadata.block_tables.max()) + 3
-    cache = layout.allocate(num_blocks, torch.device("cuda")).fill_(0xFF)  # NaN everywhere nobody writes
+    # Garbage wherever nobody writes: the kernels may read a block's unused slots (weighted by 0),
+    # so it must not show. Finite garbage: an FP8 cache never holds NaN (kv_cache.py), and 0x7E is
+    # e4m3's +448 (and a scale of ~8e37).
+    cache = layout.allocate(num_blocks, torch.device("cuda")).fill_(0x7E)
     gen = torch.Generator(device="cuda").manual_seed(1)
     # Every slot of every sequence, the cached prefixes and this step's tokens.
     all_slots = torch.cat([metadata.block_tables[i, : -(-int(n) // block_size)].long()[:, None] * block_size
@@ -178,6 +183,16 @@ def test_mixed_step_padding(pad_tokens) -> None:
 LONG_DECODES = [(n, 1) for n in (1, 15, 16, 17, 300, 1025, 5000)]
 
 
+def cache_in_layout(plain_cache, k, v, slot_mapping, layout: KVCacheLayout) -> torch.Tensor:
+    """make_batch's plain cache written into a cache of `layout` (every slot), then this step's k/v."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = plain_cache.shape
+    cache = layout.allocate(num_blocks, torch.device("cuda"))
+    flat = plain_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    store_kv(flat[0], flat[1], cache, torch.arange(num_blocks * block_size, device="cuda"), layout)
+    store_kv(k, v, cache, slot_mapping, layout)
+    return cache
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("block_n", [32, 128])
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
@@ -189,11 +204,7 @@ def test_decode_kernel(fp8, block_n, num_splits, heads_per_kv, block_size=16) ->
     q, k, v, plain_cache, plain = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim,
                                              block_size, dtype, seed=heads_per_kv * 10 + num_splits)
     layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=fp8)
-    num_blocks = plain_cache.shape[1]
-    cache = layout.allocate(num_blocks, torch.device("cuda"))
-    flat = plain_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    store_kv(flat[0], flat[1], cache, torch.arange(num_blocks * block_size, device="cuda"), layout)
-    store_kv(k, v, cache, plain.slot_mapping, layout)
+    cache = cache_in_layout(plain_cache, k, v, plain.slot_mapping, layout)
     # Two padding rows at the end, as a CUDA-graph bucket has.
     metadata = AttentionMetadata(
         query_start_loc=torch.arange(len(cases) + 3, dtype=torch.int32, device="cuda"),
@@ -210,3 +221,26 @@ def test_decode_kernel(fp8, block_n, num_splits, heads_per_kv, block_size=16) ->
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
     error = (out[:-2].float() - expected[:-2]).norm() / expected[:-2].norm()
     assert error < 1e-2, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_decode_many_sequences(fp8, longest_first) -> None:
+    """A decode batch of more programs than the GPU has SMs, lengths all over: the kernel runs the
+    longest sequences first (or in order) and every row equals the reference."""
+    num_kv_heads, heads_per_kv, head_dim, block_size, dtype = 8, 2, 128, 16, torch.bfloat16
+    lengths = torch.randint(1, 1500, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    cases = [(n, 1) for n in lengths]
+    q, k, v, plain_cache, plain = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim, block_size,
+                                             dtype, seed=11)
+    layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=fp8)
+    cache = cache_in_layout(plain_cache, k, v, plain.slot_mapping, layout)
+    metadata = AttentionMetadata(**{**plain.__dict__, "kv_layout": layout})
+    expected = reference_attention(q.float(), cache, metadata, head_dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    config = (DECODE_FP8 if fp8 else DECODE)._replace(longest_first=longest_first)
+    decode_attention(q, cache, metadata, head_dim**-0.5, out=out, config=config, num_splits=1)
+    order = metadata.longest_first()
+    assert torch.equal(metadata.seq_lens[order.long()], metadata.seq_lens.sort(descending=True).values)
+    error = (out.float() - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert error.max() < 2e-2, f"relative error {error.max():.2e}"

@@ -142,6 +142,44 @@ def test_fp8_quantization_error_is_bounded() -> None:
     assert torch.all(dequantize(zero_data, zero_scale, torch.float32) == 0)
 
 
+def test_fp8_quantize_keeps_the_cache_finite() -> None:
+    """NaN is stored as 0 and infinities clamped, so that a kernel reading a block's unused slots
+    (weighted by 0) never meets a NaN."""
+    x = torch.tensor([[1.0, float("nan"), -2.0, 0.5], [float("inf"), 1.0, float("-inf"), 0.0]])
+    data, scale = quantize(x)
+    back = dequantize(data, scale, torch.float32)
+    assert torch.isfinite(back).all() and torch.isfinite(scale).all()
+    torch.testing.assert_close(back[0], torch.tensor([1.0, 0.0, -2.0, 0.5]))
+    assert back[1, 0] > 1e38 and back[1, 2] < -1e38
+
+
+def test_fp8_block_layout() -> None:
+    """The bytes of an FP8 block are where kv_cache.py says: keys [slot, head, dim], values
+    transposed [head, dim, slot], scales [head, slot] after each block's data; the views index
+    [block, slot, head, dim] either way."""
+    block_size, heads, dim, num_blocks = 4, 2, 8, 3
+    layout = KVCacheLayout(block_size, heads, dim, torch.float32, fp8=True)
+    cache = layout.allocate(num_blocks, torch.device("cpu"))
+    assert cache.shape == (2, num_blocks, block_size * heads * (dim + 4))
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(num_blocks * block_size, heads, dim, generator=gen) for _ in range(2))
+    write_kv(k, v, cache, torch.arange(num_blocks * block_size), layout)
+    data_bytes = block_size * heads * dim
+    for which, x in ((0, k), (1, v)):
+        data, scale = quantize(x.view(num_blocks, block_size, heads, dim))
+        row = cache[which, :, :data_bytes]
+        if which == 0:
+            expected = data.view(torch.uint8).reshape(num_blocks, -1)
+        else:
+            expected = data.view(torch.uint8).permute(0, 2, 3, 1).reshape(num_blocks, -1)
+        assert torch.equal(row, expected)
+        scales = cache[which, :, data_bytes:].contiguous().view(torch.float32)
+        assert torch.equal(scales, scale.transpose(1, 2).reshape(num_blocks, -1))
+    views = layout.split(cache)
+    torch.testing.assert_close(dequantize(views.value[1, 2], views.value_scale[1, 2], torch.float32),
+                               dequantize(*quantize(v[block_size + 2]), torch.float32))
+
+
 def test_sdpa_backend_plans_each_step_afresh() -> None:
     """The SDPA backend works a step's gather plan out once and reuses it for the step's other
     layers; the next step (new metadata) must get a plan of its own."""

@@ -9,7 +9,16 @@ largest element maps to e4m3's largest finite value and every vector uses the fo
 range (one per-tensor scale, as vLLM's default, can leave outlier-free heads with a few
 significant bits). A block keeps its data and then its scales in one uint8 row:
     kv_cache[2, num_blocks, block_bytes], block_bytes = block_size * num_kv_heads * (head_dim + 4)
-    row = [block_size, num_kv_heads, head_dim] e4m3 | [block_size, num_kv_heads] float32 scales.
+    K row = [block_size, num_kv_heads, head_dim] e4m3 | [num_kv_heads, block_size] float32 scales
+    V row = [num_kv_heads, head_dim, block_size] e4m3 | [num_kv_heads, block_size] float32 scales
+Values are stored transposed (a head's block is head_dim rows of block_size consecutive tokens) and
+scales head by head, because that is how the attention kernels consume them: the P.V product needs
+consecutive keys side by side, and 8-bit data, unlike 16-bit, cannot be transposed on its way
+from shared memory to the tensor cores (with values stored like keys the decode kernel loaded them
+byte by byte). `split` hides this: its views are indexed [block, slot, head, dim] either way.
+Stored vectors never hold NaN or infinity (they are replaced by 0 and clamped before quantizing),
+so a kernel may read a whole block's slots, written or not, and zero the unused ones by their
+weights.
 The scales cost 4 / head_dim of the bytes (3% at head_dim 128); the cache holds about twice the
 tokens of a bf16 one and a decode step reads about half the bytes.
 
@@ -33,6 +42,8 @@ MIN_SCALE = 1e-12
 
 
 class KVCacheViews(NamedTuple):
+    """Views indexed [block, slot, head, dim] (scales [block, slot, head]) whatever the memory order:
+    read strides off them, never assume contiguity."""
     key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], model dtype or e4m3
     value: torch.Tensor
     key_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] float32 (FP8 only)
@@ -73,12 +84,12 @@ class KVCacheLayout:
     def split(self, kv_cache: torch.Tensor) -> KVCacheViews:
         if not self.fp8:
             return KVCacheViews(kv_cache[0], kv_cache[1], None, None)
-        num_blocks = kv_cache.shape[1]
-        data_bytes = self.block_size * self.num_kv_heads * self.head_dim
-        data = kv_cache[:, :, :data_bytes].view(FP8_DTYPE).view(
-            2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        scales = kv_cache[:, :, data_bytes:].view(torch.float32).view(2, num_blocks, self.block_size, self.num_kv_heads)
-        return KVCacheViews(data[0], data[1], scales[0], scales[1])
+        num_blocks, size, heads, dim = kv_cache.shape[1], self.block_size, self.num_kv_heads, self.head_dim
+        data = kv_cache[:, :, : size * heads * dim].view(FP8_DTYPE)
+        key = data[0].view(num_blocks, size, heads, dim)
+        value = data[1].view(num_blocks, heads, dim, size).permute(0, 3, 1, 2)
+        scales = kv_cache[:, :, size * heads * dim :].view(torch.float32).view(2, num_blocks, heads, size).transpose(2, 3)
+        return KVCacheViews(key, value, scales[0], scales[1])
 
 
 def stacked_layers(kv_caches: list[torch.Tensor], user: str) -> torch.Tensor:
@@ -103,8 +114,9 @@ def plain_layout(kv_cache: torch.Tensor) -> KVCacheLayout:
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (e4m3 [..., head_dim], float32 scale [...]) with x ~= e4m3 * scale."""
-    x = x.float()
+    """x [..., head_dim] -> (e4m3 [..., head_dim], float32 scale [...]) with x ~= e4m3 * scale.
+    NaN becomes 0 and infinities the largest float32 (the cache must hold finite values only)."""
+    x = torch.nan_to_num(x.float(), nan=0.0)
     scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
     return (x / scale[..., None]).to(FP8_DTYPE), scale
 

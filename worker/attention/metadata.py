@@ -16,7 +16,7 @@ kv_cache.py describes it, and `metadata.layout(kv_cache).split(kv_cache)` gives 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,10 +50,19 @@ class AttentionMetadata:
     # How the cache tensors are laid out (worker/attention/kv_cache.py). None: plain, read off the
     # tensor's shape; an FP8 cache must say so.
     kv_layout: KVCacheLayout | None = None
+    # longest_first()'s answer, once asked for in this step
+    _longest_first: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def longest_first(self) -> torch.Tensor:
+        """The sequence indices by decreasing length (int32 on the device): computed by the first
+        layer that asks, then shared by the rest (in a CUDA graph, a kernel of the first layer)."""
+        if self._longest_first is None:
+            self._longest_first = torch.argsort(self.seq_lens, descending=True).to(torch.int32)
+        return self._longest_first
 
     def layout(self, kv_cache: torch.Tensor) -> KVCacheLayout:
         return self.kv_layout if self.kv_layout is not None else plain_layout(kv_cache)

@@ -28,7 +28,15 @@ softmax states a second kernel merges (flash-decoding), so a few long contexts u
 step with prefill chunks both kernels run, each skipping the other's sequences.
 
 An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
-multiplies its column of scores and each value's scale its row, so nothing is dequantized twice.
+multiplies its column of scores and each value's scale the column of probabilities that weighs it,
+so nothing is dequantized in full. Its values are stored transposed (keys along a row), the
+orientation the P.V product takes them in. Tiles load whole blocks where a mask along the slots
+would cost the loads their width; the slots past a sequence's end then weigh 0, and an FP8 cache
+holds finite values only, so they add nothing.
+
+Tile offsets are computed from tl.arange (_tile_slots) wherever blocks tile a tile, so that the
+compiler sees runs of BLOCK_SIZE consecutive slots: with the offsets computed from key positions,
+it loaded an FP8 value tile byte by byte and a scale per instruction.
 """
 
 from __future__ import annotations
@@ -51,12 +59,14 @@ from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionBac
 def store_token_kv(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
     """Write one token's keys and values (every KV head) to its slot (slot -1: a padding row, none);
-    for an FP8 cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX. The body of
+    for an FP8 cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX, NaN stored as 0 and
+    infinities clamped (kv_cache.py: the kernels may read unwritten slots). The body of
     _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py)."""
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # A padding row writes nothing (a mask rather than an early return: this body is inlined
@@ -67,28 +77,32 @@ def store_token_kv(
     heads = tl.arange(0, KV_HEADS_PADDED)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    cache_offs = block * stride_cache_block + offset * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
+    k_offs = block * stride_cache_block + offset * stride_k_slot + heads[:, None] * stride_k_head + dims[None, :]
+    v_offs = block * stride_cache_block + offset * stride_v_slot + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim
     k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
     if FP8:
-        scale_offs = block * stride_scale_block + offset * stride_scale_slot + heads
+        scale_offs = block * stride_scale_block + offset * stride_scale_slot + heads * stride_scale_head
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+        k = tl.minimum(tl.maximum(tl.where(k == k, k, 0.0), -3.4028234663852886e38), 3.4028234663852886e38)
+        v = tl.minimum(tl.maximum(tl.where(v == v, v, 0.0), -3.4028234663852886e38), 3.4028234663852886e38)
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1) / FP8_MAX, MIN_SCALE)
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX, MIN_SCALE)
         tl.store(k_scale_ptr + scale_offs, k_scale, mask=(heads < NUM_KV_HEADS) & slot_valid)
         tl.store(v_scale_ptr + scale_offs, v_scale, mask=(heads < NUM_KV_HEADS) & slot_valid)
         k = k / k_scale[:, None]
         v = v / v_scale[:, None]
-    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
+    tl.store(k_cache_ptr + k_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
+    tl.store(v_cache_ptr + v_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
 
 
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
@@ -96,7 +110,8 @@ def _store_kv_kernel(
     store_token_kv(
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
         tl.program_id(0).to(tl.int64), stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-        stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+        stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+        stride_scale_block, stride_scale_slot, stride_scale_head,
         NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
 
@@ -116,45 +131,63 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile_slots(key_start, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(block-table index, slot in block) of keys [key_start, key_start + BLOCK_N), key_start a
+    multiple of BLOCK_N. When blocks tile the tile, both are written from tl.arange, so that the
+    compiler sees runs of BLOCK_SIZE consecutive slots (and vectorizes loads along them)."""
+    if BLOCK_N % BLOCK_SIZE == 0:
+        local_n = tl.arange(0, BLOCK_N)
+        return key_start // BLOCK_SIZE + local_n // BLOCK_SIZE, local_n % BLOCK_SIZE
+    offs_n = key_start + tl.arange(0, BLOCK_N)
+    return offs_n // BLOCK_SIZE, offs_n % BLOCK_SIZE
+
+
+@triton.jit
 def _attend_key_tile(
     q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IEEE_FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     """One step of the online softmax: the tile's queries against keys [key_start, key_start +
-    BLOCK_N). MASKED=False is for key tiles every query of the tile sees whole (no causal or
-    length mask, no masked loads); MASKED=True for the diagonal and the sequence's last keys."""
+    BLOCK_N) (key_start a multiple of BLOCK_N). MASKED=False is for key tiles every query of the
+    tile sees whole (no causal or length mask, no masked loads); MASKED=True for the diagonal and
+    the sequence's last keys."""
+    key_start = tl.multiple_of(key_start, BLOCK_N)
     offs_n = key_start + tl.arange(0, BLOCK_N)
+    block_index, slot = _tile_slots(key_start, BLOCK_SIZE, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     if MASKED:
         n_valid = offs_n < num_keys
-        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        # whole blocks, for loads along the slots (an FP8 cache holds finite values only)
+        block_valid = block_index * BLOCK_SIZE < num_keys
+        block_ids = tl.load(block_table + block_index, mask=block_valid, other=0).to(tl.int64)
     else:
-        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE).to(tl.int64)
-    kv_rows = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-    kv_ptrs = kv_rows[:, None] + offs_d[None, :]
+        block_ids = tl.load(block_table + block_index).to(tl.int64)
+    block_base = block_ids * stride_cache_block
+    k_ptrs = k_cache_ptr + (block_base + slot * stride_k_slot + kv_head * stride_k_head)[:, None] + offs_d[None, :]
     if MASKED:
         kv_mask = n_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     elif HEAD_DIM == HEAD_DIM_PADDED:
-        k = tl.load(k_cache_ptr + kv_ptrs)
+        k = tl.load(k_ptrs)
     else:
         kv_mask = offs_d[None, :] < HEAD_DIM
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     # An FP8 key is e4m3 * scale (one scale per key): the dot runs on the e4m3 values widened to
     # the query's dtype, and each key's column of scores takes its scale.
     if IEEE_FP32:
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
     else:
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+        scores = tl.dot(q, tl.trans(k).to(q.dtype))
     if FP8:
-        scale_rows = block_ids * stride_scale_block + (offs_n % BLOCK_SIZE) * stride_scale_slot + kv_head
+        scale_cols = block_ids * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
         if MASKED:
-            scores = scores * tl.load(k_scale_ptr + scale_rows, mask=n_valid, other=0.0)[None, :]
+            scores = scores * tl.load(k_scale_ptr + scale_cols, mask=block_valid)[None, :]
         else:
-            scores = scores * tl.load(k_scale_ptr + scale_rows)[None, :]
+            scores = scores * tl.load(k_scale_ptr + scale_cols)[None, :]
     # The running max m_i is kept in log2 units (scores * scale_log2e), so the exponent below is
     # one fused multiply-add per score.
     if MASKED:
@@ -168,16 +201,34 @@ def _attend_key_tile(
     p = tl.math.exp2(scores * scale_log2e - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + kv_ptrs)
-    if FP8:  # likewise each value row takes its scale
+    if FP8:
+        # Values are stored transposed (kv_cache.py): load [HEAD_DIM, BLOCK_N], keys along the rows.
+        # Each value's scale goes on its column of p, relative to the tile's largest, which
+        # multiplies the product (folded into p directly, a small scale could underflow float16).
+        v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :] \
+            + offs_d[:, None] * stride_v_dim
         if MASKED:
-            v_scale = tl.load(v_scale_ptr + scale_rows, mask=n_valid, other=0.0)
+            v_t = tl.load(v_ptrs, mask=block_valid[None, :] & (offs_d[:, None] < HEAD_DIM))
+            v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid), 0.0)
+        elif HEAD_DIM == HEAD_DIM_PADDED:
+            v_t = tl.load(v_ptrs)
+            v_scale = tl.load(v_scale_ptr + scale_cols)
         else:
-            v_scale = tl.load(v_scale_ptr + scale_rows)
-        v = v.to(q.dtype) * v_scale.to(q.dtype)[:, None]
+            v_t = tl.load(v_ptrs, mask=offs_d[:, None] < HEAD_DIM)
+            v_scale = tl.load(v_scale_ptr + scale_cols)
+        v_scale_max = tl.max(v_scale, axis=0)
+        p = p * (v_scale / v_scale_max)[None, :]
+        if IEEE_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, tl.trans(v_t).to(tl.float32), input_precision="ieee") * v_scale_max
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), tl.trans(v_t).to(q.dtype)) * v_scale_max
+        return acc, l_i, m_new
+    v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] \
+        + offs_d[None, :] * stride_v_dim
+    if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
     if IEEE_FP32:
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
     else:
@@ -191,7 +242,8 @@ def _paged_attention_kernel(
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2e, num_seqs, num_kv_heads,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -242,13 +294,15 @@ def _paged_attention_kernel(
         acc, l_i, m_i = _attend_key_tile(
             q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-            stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+            stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+            stride_scale_block, stride_scale_slot, stride_scale_head,
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
     for key_start in range(unmasked_end, num_keys, BLOCK_N):
         acc, l_i, m_i = _attend_key_tile(
             q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-            stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+            stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+            stride_scale_block, stride_scale_slot, stride_scale_head,
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, True, IEEE_FP32, FP8)
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -261,16 +315,17 @@ def _paged_attention_kernel(
 def _paged_decode_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     query_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, seq_order_ptr,
     scale_log2e,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr,
-    FP8: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Decode-only steps (one query token per sequence): program (seq, kv_head, split) attends the
+    """Decode-only steps (one query token per sequence): program (kv_head, seq, split) attends the
     HEADS_PER_KV query heads of that KV head (rows of a tensor-core tile padded to GROUP_PADDED)
     over split `split` of the sequence's keys. With one split it writes the output; with several
     (flash-decoding: a small batch of long contexts would otherwise leave most SMs idle) it writes
@@ -279,13 +334,19 @@ def _paged_decode_kernel(
     MIXED: a step with prefill chunks too, whose one-token sequences this kernel takes (their
     query row is query_start_loc[seq]; the others are _paged_attention_kernel's). One split only.
 
+    ORDERED: the programs' y index is a position in seq_order (the sequences longest first), so
+    that in a batch of many more programs than the GPU runs at once the long ones start first
+    and the short ones fill the tail; a sequence's KV heads are neighbours on the grid's x.
+
     PDL (worker/pdl.py): the step's inputs (lengths, block tables) are read before waiting for the
     kernel before, which writes the query and the newest keys and values. Not with MIXED (whose
     programs may return before they would wait)."""
     if PDL:
         gdc_launch_dependents()
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + seq)
     split = tl.program_id(2)
     if MIXED:
         row = tl.load(query_start_loc_ptr + seq)
@@ -318,31 +379,50 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for key_start in range(key_lo, key_hi, BLOCK_N):
+        key_start = tl.multiple_of(key_start, BLOCK_N)  # splits own whole tiles
         offs_n = key_start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < key_hi
-        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_rows = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        block_index, slot = _tile_slots(key_start, BLOCK_SIZE, BLOCK_N)
+        # whole blocks, for loads along the slots (an FP8 cache holds finite values only)
+        block_valid = block_index * BLOCK_SIZE < key_hi
+        block_ids = tl.load(block_table + block_index, mask=block_valid, other=0).to(tl.int64)
+        block_base = block_ids * stride_cache_block
+        k = tl.load(k_cache_ptr + (block_base + slot * stride_k_slot + kv_head * stride_k_head)[:, None] + offs_d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
         if IEEE_FP32:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+            scores = tl.dot(q, tl.trans(k).to(q.dtype))
         if FP8:  # each key's column of scores takes that key's scale
-            scale_rows = block_ids * stride_scale_block + (offs_n % BLOCK_SIZE) * stride_scale_slot + kv_head
-            scores = scores * tl.load(k_scale_ptr + scale_rows, mask=n_valid, other=0.0)[None, :]
+            scale_cols = block_ids * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
+            scores = scores * tl.load(k_scale_ptr + scale_cols, mask=block_valid)[None, :]
         scores = tl.where(n_valid[None, :], scores * scale_log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.math.exp2(scores - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP8:  # and each value row its own (on the row: folded into p it could underflow float16)
-            v = v.to(tl.float16) * tl.load(v_scale_ptr + scale_rows, mask=n_valid, other=0.0).to(tl.float16)[:, None]
-        if IEEE_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if FP8:
+            # Values are stored transposed (kv_cache.py): [HEAD_DIM, BLOCK_N], keys along the rows,
+            # as the P.V product consumes them. Each value's scale goes on its column of p, relative
+            # to the tile's largest, which multiplies the product (a scale folded into p whole
+            # could underflow float16).
+            v_t = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :]
+                          + offs_d[:, None] * stride_v_dim, mask=block_valid[None, :] & d_valid[:, None])
+            v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid), 0.0)
+            v_scale_max = tl.max(v_scale, axis=0)
+            p = p * (v_scale / v_scale_max)[None, :]
+            if IEEE_FP32:
+                pv = tl.dot(p, tl.trans(v_t).to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), tl.trans(v_t).to(q.dtype))
+            acc = acc * alpha[:, None] + pv * v_scale_max
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            v = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None]
+                        + offs_d[None, :] * stride_v_dim, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            if IEEE_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
     out_mask = g_valid[:, None] & d_valid[None, :]
@@ -351,7 +431,7 @@ def _paged_decode_kernel(
         o_rows = row.to(tl.int64) * stride_o_token + head * stride_o_head
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # partial state, [seq, head, split]; an empty split leaves max -inf and sum 0
-        state = (seq.to(tl.int64) * (HEADS_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        state = (seq.to(tl.int64) * (HEADS_PER_KV * tl.num_programs(0)) + head) * NUM_SPLITS + split
         tl.store(partial_max_ptr + state, m_i, mask=g_valid)
         tl.store(partial_sum_ptr + state, l_i, mask=g_valid)
         tl.store(partial_out_ptr + state[:, None] * HEAD_DIM_PADDED + offs_d[None, :], acc, mask=out_mask)
@@ -387,10 +467,9 @@ def store_kv_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
     layout = layout if layout is not None else plain_layout(kv_cache)
     views = layout.split(kv_cache)
     _, num_kv_heads, head_dim = key.shape
-    k_scale, v_scale, scale_strides = _scales(views)
+    k_scale, v_scale = _scales(views)
     args = (key, value, views.key, views.value, k_scale, v_scale, slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides)
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views))
     constants = dict(NUM_KV_HEADS=num_kv_heads, KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
                      HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
                      BLOCK_SIZE=layout.block_size, FP8=layout.fp8, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE)
@@ -404,11 +483,25 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     _store_kv_kernel[(key.shape[0],)](*args, **constants)
 
 
-def _scales(views: KVCacheViews) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """The scale tensors and their (block, slot) strides; for a plain cache, unused stand-ins."""
+def _scales(views: KVCacheViews) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors; for a plain cache, unused stand-ins."""
     if views.key_scale is None:
-        return views.key, views.value, (0, 0)
-    return views.key_scale, views.value_scale, (views.key_scale.stride(0), views.key_scale.stride(1))
+        return views.key, views.value
+    return views.key_scale, views.value_scale
+
+
+def cache_strides(views: KVCacheViews) -> tuple[int, ...]:
+    """The kernels' cache strides, in elements: (block, key slot, key head, value slot, value
+    head, value dim, scale block, scale slot, scale head). A key's dims are contiguous; a value's
+    are in a plain cache, and an FP8 one stores values transposed (kv_cache.py). K and V (and
+    their scales) share the block stride: they are rows of one tensor."""
+    key, value = views.key, views.value
+    assert key.stride(3) == 1 and key.stride(0) == value.stride(0)
+    scale = (0, 0, 0) if views.key_scale is None else views.key_scale.stride()
+    return (key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2), value.stride(3), *scale)
+
+
+STORE_KV_STRIDES = 13  # store_token_kv's stride arguments: the key's and value's 2 each, then cache_strides
 
 
 class PrefillConfig(NamedTuple):
@@ -426,19 +519,27 @@ class PrefillConfig(NamedTuple):
 # float32 queries (exactness runs) and wider heads take smaller tiles to fit shared memory.
 PREFILL = PrefillConfig()
 PREFILL_SMALL = PrefillConfig(64, 64, 4, 2, None)
+# An FP8 cache's tiles are widened to float16 on their way to the tensor cores, which takes
+# registers the 128 cap would spill: one 8,192-token prompt in 1.33 ms against 1.96 with PREFILL's
+# shape (H100, benchmarks/results/2026-11-25-h100-fp8-decode/).
+PREFILL_FP8 = PrefillConfig(128, 128, 8, 2, None)
 
 
 class DecodeConfig(NamedTuple):
     block_n: int = 64  # keys per tile
     num_warps: int = 4
     num_stages: int = 3
+    maxnreg: int | None = None  # a register cap per thread (None: the compiler's choice)
     # Most splits per sequence (1: no split-KV); $MINIVLLM_DECODE_MAX_SPLITS overrides, for measuring.
     max_splits: int = int(os.environ.get("MINIVLLM_DECODE_MAX_SPLITS", 16))
+    # Large batches run their longest sequences first ($MINIVLLM_DECODE_LONGEST_FIRST=0: in
+    # order, for measuring).
+    longest_first: bool = os.environ.get("MINIVLLM_DECODE_LONGEST_FIRST", "1") != "0"
 
 
 # Tuned on an H100 (benchmarks/tune_attention.py): the best shapes for a plain and an FP8 cache.
 DECODE = DecodeConfig()
-DECODE_FP8 = DecodeConfig(block_n=128, num_stages=2)
+DECODE_FP8 = DecodeConfig(block_n=128, num_stages=2, maxnreg=128)
 
 
 @functools.cache
@@ -488,20 +589,27 @@ def decode_attention(
     else:
         partial_out = partial_max = partial_sum = out  # unused
     views = layout.split(kv_cache)
-    k_scale, v_scale, scale_strides = _scales(views)
+    k_scale, v_scale = _scales(views)
     group_padded = max(16, triton.next_power_of_2(heads_per_kv))  # a tensor-core tile has >= 16 rows
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    # Longest sequences first when the programs come in several waves (not in a mixed step, whose
+    # grid also spans the prefill sequences).
+    seq_order = None
+    if not mixed and num_splits == 1 and config.longest_first and \
+            num_seqs * num_kv_heads > _num_sms(query.device.index or 0):
+        seq_order = metadata.longest_first()
+    _paged_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, partial_out, partial_max, partial_sum,
         query, views.key, views.value, k_scale, v_scale,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+        seq_order if seq_order is not None else metadata.seq_lens,
         scale * 1.4426950408889634,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides(views),
         metadata.block_tables.stride(0),
         HEADS_PER_KV=heads_per_kv, GROUP_PADDED=group_padded, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=layout.block_size, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
-        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, MIXED=mixed,
+        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, MIXED=mixed, ORDERED=seq_order is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
         **(pdl.launch_options(query.device) if not mixed else {"PDL": False}),
     )
     if num_splits > 1:
@@ -527,19 +635,18 @@ def paged_attention(
     block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
     heads_per_kv = num_heads // num_kv_heads
     if config is None:
-        config = PREFILL_SMALL if query.dtype == torch.float32 or head_dim > 128 else PREFILL
+        config = PREFILL_SMALL if query.dtype == torch.float32 or head_dim > 128 else PREFILL_FP8 if layout.fp8 else PREFILL
     block_m = max(config.block_m, triton.next_power_of_2(heads_per_kv))
     block_q = max(1, block_m // heads_per_kv)
     num_seqs = metadata.num_seqs
     grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     views = layout.split(kv_cache)
-    k_scale, v_scale, scale_strides = _scales(views)
+    k_scale, v_scale = _scales(views)
     _paged_attention_kernel[grid](
         out, query, views.key, views.value, k_scale, v_scale,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         scale * 1.4426950408889634, num_seqs, num_kv_heads,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        views.key.stride(0), views.key.stride(1), views.key.stride(2), *scale_strides,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides(views),
         metadata.block_tables.stride(0),
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
