@@ -143,6 +143,36 @@ def _tile_slots(key_start, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _fp8_values_product(
+    p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
+    stride_v_slot, stride_v_head, stride_v_dim,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, IEEE_FP32: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """p [rows, BLOCK_N] times the tile's values of an FP8 cache, which are stored transposed
+    (kv_cache.py): they load as [HEAD_DIM, BLOCK_N], keys along the rows, the orientation the dot
+    takes them in. Each value's scale goes on its column of p, relative to the tile's largest,
+    which multiplies the product (a scale folded into p whole could underflow float16). MASKED:
+    whole blocks are loaded (block_valid) and keys past the end (not n_valid) weigh 0."""
+    v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :] \
+        + offs_d[:, None] * stride_v_dim
+    if MASKED:
+        v_t = tl.load(v_ptrs, mask=block_valid[None, :] & (offs_d[:, None] < HEAD_DIM))
+        v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid), 0.0)
+    elif HEAD_DIM == HEAD_DIM_PADDED:
+        v_t = tl.load(v_ptrs)
+        v_scale = tl.load(v_scale_ptr + scale_cols)
+    else:
+        v_t = tl.load(v_ptrs, mask=offs_d[:, None] < HEAD_DIM)
+        v_scale = tl.load(v_scale_ptr + scale_cols)
+    v_scale_max = tl.max(v_scale, axis=0)
+    p = p * (v_scale / v_scale_max)[None, :]
+    if IEEE_FP32:
+        return tl.dot(p, tl.trans(v_t).to(tl.float32), input_precision="ieee") * v_scale_max
+    return tl.dot(p.to(DOT_DTYPE), tl.trans(v_t).to(DOT_DTYPE)) * v_scale_max
+
+
+@triton.jit
 def _attend_key_tile(
     q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -202,27 +232,11 @@ def _attend_key_tile(
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if FP8:
-        # Values are stored transposed (kv_cache.py): load [HEAD_DIM, BLOCK_N], keys along the rows.
-        # Each value's scale goes on its column of p, relative to the tile's largest, which
-        # multiplies the product (folded into p directly, a small scale could underflow float16).
-        v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :] \
-            + offs_d[:, None] * stride_v_dim
-        if MASKED:
-            v_t = tl.load(v_ptrs, mask=block_valid[None, :] & (offs_d[:, None] < HEAD_DIM))
-            v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid), 0.0)
-        elif HEAD_DIM == HEAD_DIM_PADDED:
-            v_t = tl.load(v_ptrs)
-            v_scale = tl.load(v_scale_ptr + scale_cols)
-        else:
-            v_t = tl.load(v_ptrs, mask=offs_d[:, None] < HEAD_DIM)
-            v_scale = tl.load(v_scale_ptr + scale_cols)
-        v_scale_max = tl.max(v_scale, axis=0)
-        p = p * (v_scale / v_scale_max)[None, :]
-        if IEEE_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, tl.trans(v_t).to(tl.float32), input_precision="ieee") * v_scale_max
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), tl.trans(v_t).to(q.dtype)) * v_scale_max
-        return acc, l_i, m_new
+        pv = _fp8_values_product(
+            p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d,
+            n_valid if MASKED else None, block_valid if MASKED else None, stride_v_slot, stride_v_head, stride_v_dim,
+            HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype)
+        return acc * alpha[:, None] + pv, l_i, m_new
     v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] \
         + offs_d[None, :] * stride_v_dim
     if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
@@ -402,20 +416,9 @@ def _paged_decode_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
-            # Values are stored transposed (kv_cache.py): [HEAD_DIM, BLOCK_N], keys along the rows,
-            # as the P.V product consumes them. Each value's scale goes on its column of p, relative
-            # to the tile's largest, which multiplies the product (a scale folded into p whole
-            # could underflow float16).
-            v_t = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :]
-                          + offs_d[:, None] * stride_v_dim, mask=block_valid[None, :] & d_valid[:, None])
-            v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid), 0.0)
-            v_scale_max = tl.max(v_scale, axis=0)
-            p = p * (v_scale / v_scale_max)[None, :]
-            if IEEE_FP32:
-                pv = tl.dot(p, tl.trans(v_t).to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), tl.trans(v_t).to(q.dtype))
-            acc = acc * alpha[:, None] + pv * v_scale_max
+            acc = acc * alpha[:, None] + _fp8_values_product(
+                p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
+                stride_v_slot, stride_v_head, stride_v_dim, HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype)
         else:
             v = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None]
                         + offs_d[None, :] * stride_v_dim, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
