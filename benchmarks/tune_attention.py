@@ -15,6 +15,7 @@ triton_attention.py (a saved copy) on the same batches with its own default shap
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -28,7 +29,6 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
-from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.triton_attention import (
     DECODE,
     DECODE_FP8,
@@ -77,7 +77,7 @@ def build_step(cases, fp8: bool):
     flat = plain_cache.view(2, num_slots, KV_HEADS, HEAD_DIM)
     store_kv(flat[0], flat[1], cache, every_slot, layout)  # the same K/V, quantized
     store_kv(k, v, cache, md.slot_mapping, layout)
-    return q, cache, AttentionMetadata(**{**md.__dict__, "kv_layout": layout})
+    return q, cache, dataclasses.replace(md, kv_layout=layout)
 
 
 def main() -> None:

@@ -162,8 +162,8 @@ class StepGraphs:
         inputs = (b.input_ids[:num_tokens], b.positions[:num_tokens])
         forward(*inputs, b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len))  # warm-up: compiles, settles
         graph = torch.cuda.CUDAGraph()
-        # A metadata object of its own: one keeps what its step's first layer computes for the
-        # rest (AttentionMetadata.longest_first), which the graph must compute, not inherit.
+        # A metadata object of its own: one keeps what its step's first layer derives for the rest
+        # (AttentionMetadata.derived), which the graph must compute, not inherit from the warm-up.
         metadata = b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len)
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[key] = forward(*inputs, metadata)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,7 +99,7 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     q, k, v, _, plain = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim, block_size, dtype,
                                    seed=head_dim * heads_per_kv + block_size)
     layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=True)
-    metadata = AttentionMetadata(**{**plain.__dict__, "kv_layout": layout})
+    metadata = dataclasses.replace(plain, kv_layout=layout)
     num_blocks = int(metadata.block_tables.max()) + 3
     # Garbage wherever nobody writes: the kernels may read a block's unused slots (weighted by 0),
     # so it must not show. Finite garbage: an FP8 cache never holds NaN (kv_cache.py), and 0x7E is
@@ -235,7 +237,7 @@ def test_decode_many_sequences(fp8, longest_first) -> None:
                                              dtype, seed=11)
     layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=fp8)
     cache = cache_in_layout(plain_cache, k, v, plain.slot_mapping, layout)
-    metadata = AttentionMetadata(**{**plain.__dict__, "kv_layout": layout})
+    metadata = dataclasses.replace(plain, kv_layout=layout)
     expected = reference_attention(q.float(), cache, metadata, head_dim**-0.5)
     out = torch.full_like(q, float("nan"))
     config = (DECODE_FP8 if fp8 else DECODE)._replace(longest_first=longest_first)

@@ -82,15 +82,9 @@ class SdpaAttentionBackend(AttentionBackend):
 
     name = "cpu-sdpa"
 
-    def __init__(self) -> None:
-        self._planned_for: AttentionMetadata | None = None
-        self._plan: StepPlan | None = None
-
     def plan(self, metadata: AttentionMetadata, block_size: int) -> StepPlan:
-        if self._planned_for is not metadata:  # a new step: every layer after the first reuses it
-            self._plan = plan_step(metadata, block_size)
-            self._planned_for = metadata
-        return self._plan
+        """The step's plan: worked out by its first layer, reused by the others."""
+        return metadata.derived(("cpu-sdpa plan", block_size), lambda: plan_step(metadata, block_size))
 
     def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               metadata: AttentionMetadata) -> None:

@@ -16,7 +16,9 @@ kv_cache.py describes it, and `metadata.layout(kv_cache).split(kv_cache)` gives 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,19 +52,25 @@ class AttentionMetadata:
     # How the cache tensors are laid out (worker/attention/kv_cache.py). None: plain, read off the
     # tensor's shape; an FP8 cache must say so.
     kv_layout: KVCacheLayout | None = None
-    # longest_first()'s answer, once asked for in this step
-    _longest_first: torch.Tensor | None = field(default=None, repr=False)
+    # What backends derive from the step once for all its layers (derived()); a copy made with
+    # dataclasses.replace starts empty.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
+    def derived(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """What compute() gives for this step: computed by the first layer that asks, then shared
+        by the rest (a metadata object is one step; in a CUDA graph the computation is part of the
+        first layer, so a capture must not reuse its warm-up's object)."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
+
     def longest_first(self) -> torch.Tensor:
-        """The sequence indices by decreasing length (int32 on the device): computed by the first
-        layer that asks, then shared by the rest (in a CUDA graph, a kernel of the first layer)."""
-        if self._longest_first is None:
-            self._longest_first = torch.argsort(self.seq_lens, descending=True).to(torch.int32)
-        return self._longest_first
+        """The sequence indices by decreasing length (int32, on the lengths' device)."""
+        return self.derived("longest_first", lambda: torch.argsort(self.seq_lens, descending=True).to(torch.int32))
 
     def layout(self, kv_cache: torch.Tensor) -> KVCacheLayout:
         return self.kv_layout if self.kv_layout is not None else plain_layout(kv_cache)
