@@ -28,10 +28,11 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
 
 
 def kill_during_generate(llm, victim: int | Callable[[], object], match: str, *, num_requests: int = 32,
-                         max_tokens: int = 400, delay: float = 1.0, within: float = 15.0) -> None:
-    """SIGKILL the process `victim` (or call `victim`: e.g. take a node down) `delay` seconds into a
-    generate of many long requests (it must still be running then): the generate must raise
-    EngineDeadError matching `match` within `within` s."""
+                         max_tokens: int = 400, delay: float = 0.25, within: float = 15.0) -> None:
+    """SIGKILL the process `victim` (or call `victim`: e.g. take a node down) `delay` seconds after a
+    generate of many long requests has them in the engine: the generate must raise EngineDeadError
+    matching `match` within `within` s. (Timed from the requests' arrival, not from the call, so
+    that a fast machine cannot finish the job before the kill.)"""
     import pytest
 
     from minivllm import SamplingParams
@@ -39,11 +40,24 @@ def kill_during_generate(llm, victim: int | Callable[[], object], match: str, *,
 
     long_job = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     kill = victim if callable(victim) else lambda: os.kill(victim, signal.SIGKILL)
-    threading.Timer(delay, kill).start()
+    killed_mid_job: list[bool] = []
+
+    def kill_once_running() -> None:
+        deadline = time.monotonic() + within
+        while not llm.get_unfinished_request_ids() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(delay)
+        killed_mid_job.append(bool(llm.get_unfinished_request_ids()))
+        kill()
+
+    killer = threading.Thread(target=kill_once_running, daemon=True)
     start = time.monotonic()
+    killer.start()
     with pytest.raises(EngineDeadError, match=match):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}] * num_requests, long_job, use_tqdm=False)
     assert time.monotonic() - start < within
+    killer.join(timeout=within)
+    assert killed_mid_job == [True], "the job finished before the kill: make it longer"
 
 
 class StartedEngines:
