@@ -674,7 +674,11 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_output_placeholders = 0  # its tokens in flight are dropped when they arrive
+        # Its tokens in flight are dropped when they arrive: the steps still in flight forget it
+        # (with two steps ahead it may be running again by the time the later one reports).
+        request.num_output_placeholders = 0
+        for scheduled in self.scheduled_requests.values():
+            scheduled.pop(request.request_id, None)
         request.spec_token_ids = []
         request.num_released_blocks = 0  # the worker forgets the request and its block table
         request.num_preemptions += 1

@@ -215,12 +215,12 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
 
 
 def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000,
-                      pipelined: bool = False) -> Run:
+                      pipelined: bool = False, steps_in_flight: int = 2) -> Run:
     """Step until every request finished. pipelined: as the EngineCore with async scheduling,
-    step N+1 is scheduled (and run by the worker, which has step N's tokens) before the
-    scheduler sees step N's tokens."""
+    steps N+1 .. N+steps_in_flight-1 are scheduled (and run by the worker, which has step N's
+    tokens) before the scheduler sees step N's tokens."""
     if pipelined:
-        return _run_pipelined(scheduler, worker, max_steps)
+        return _run_pipelined(scheduler, worker, max_steps, steps_in_flight)
     run = Run(scheduler_outputs=[], outputs={})
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -236,7 +236,7 @@ def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int =
     return run
 
 
-def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int) -> Run:
+def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int, steps_in_flight: int) -> Run:
     run = Run(scheduler_outputs=[], outputs={})
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -244,7 +244,7 @@ def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int) -> 
         if not scheduler.has_unfinished_requests() and not in_flight:
             break
         submitted = False
-        if scheduler.has_unfinished_requests() and len(in_flight) < 2:
+        if scheduler.has_unfinished_requests() and len(in_flight) < steps_in_flight:
             out = scheduler.schedule()
             check_invariants(scheduler, out)
             if out.total_num_scheduled_tokens > 0:
@@ -254,7 +254,7 @@ def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int) -> 
             else:
                 assert scheduler.update_from_output(out, empty) == []
                 assert in_flight, "no progress"
-        if not in_flight or (submitted and len(in_flight) < 2):
+        if not in_flight or (submitted and len(in_flight) < steps_in_flight):
             continue
         out, result = in_flight.pop(0)
         for o in scheduler.update_from_output(out, result):
