@@ -47,17 +47,24 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-prefill", action="store_true", help="skip the full-budget prefill step")
+    parser.add_argument("--prompt-len", type=int, default=0,
+                        help="the prefill step's prompts are this long (default: one prompt fills the budget)")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="profile the prefill forward's kernels instead of the decode step's")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--host", action="store_true",
+                        help="also run steps as the worker does (outputs held back, the next step launched before "
+                             "the previous one's tokens are read) and profile that loop's host time")
     args = parser.parse_args()
     if args.profile_prefill and args.no_prefill:
         parser.error("--profile-prefill needs the prefill step (drop --no-prefill)")
 
     block_size = 16
-    blocks_per_req = -(-(args.context + args.steps + 8) // block_size)
+    # every step writes a slot: the timed ones, --host's (twice as many, then 20 profiled), 5 profiled
+    steps_run = args.steps * (3 if args.host else 1) + 40
+    blocks_per_req = -(-(args.context + steps_run) // block_size)
     # (the prefill step writes slots 0..max_num_batched_tokens - 1)
-    num_blocks = max(args.batch * blocks_per_req, -(-args.max_num_batched_tokens // block_size)) + 64
+    num_blocks = max(args.batch * blocks_per_req, 2 * -(-args.max_num_batched_tokens // block_size)) + 64
     max_model_len = max(4096, args.max_num_batched_tokens)
     config = EngineConfig.create(args.model, load_format="dummy", num_gpu_blocks=num_blocks, max_model_len=max_model_len,
                                  max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -106,6 +113,34 @@ def main() -> None:
     print(f"decode step, batch {args.batch}, context ~{args.context}: execute_model {step_ms:.2f} ms "
           f"-> {args.batch / step_ms * 1000:.0f} tok/s")
 
+    if args.host:
+        # As the worker runs them: run_step holds a step's tokens back and hands them on after
+        # launching the next step, so the host may run up to a step ahead of the GPU.
+        runner.overlap_outputs = True
+        torch.cuda.synchronize()
+        wall = []
+        for _ in range(args.steps):
+            so = decode_output()
+            t = time.perf_counter()
+            runner.run_step(so)
+            wall.append(time.perf_counter() - t)
+            computed = [c + 1 for c in computed]
+        gpu_wait_before = runner.gpu_wait_s
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(20):
+                runner.run_step(decode_output())
+                computed = [c + 1 for c in computed]
+            loop_s = time.perf_counter() - t
+        runner.finish_pending()
+        torch.cuda.synchronize()
+        print(f"worker loop (overlapped run_step): median {1000 * float(np.median(wall)):.3f} ms per step; "
+              f"profiled: {loop_s * 50:.3f} ms per step, of which waiting for the GPU's tokens "
+              f"{(runner.gpu_wait_s - gpu_wait_before) * 50:.3f} ms")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+
     # The pieces.
     step = runner.input_batch.prepare(decode_output().num_scheduled_tokens)
     runner.input_batch.num_computed_tokens[:] -= 1  # undo prepare's bookkeeping
@@ -141,21 +176,33 @@ def main() -> None:
     print(f"  attention kernel, one layer: {ms * 1000:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
           f"(x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
 
-    # A full-budget prefill step (fresh requests, whole chunks).
+    # A full-budget prefill step (fresh requests, whole prompts of --prompt-len tokens, or one).
     if not args.no_prefill:
         n = args.max_num_batched_tokens
-        metadata_args = dict(query_start_loc=np.array([0, n]), seq_lens=np.array([n]), max_query_len=n, max_seq_len=n)
         from minivllm.worker.input_batch import StepInputs
 
-        pre = StepInputs(req_ids=["p"], input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n),
-                         slot_mapping=np.arange(n), block_table=np.arange(-(-n // block_size), dtype=np.int32)[None],
-                         logits_indices=np.array([n - 1]), sampling_req_index=np.array([0]), sampling_rows=np.array([0]),
-                         **metadata_args)
+        prompt_len = min(args.prompt_len or n, n)
+        query_lens = np.full(n // prompt_len, prompt_len)
+        if n % prompt_len:
+            query_lens = np.append(query_lens, n % prompt_len)
+        num_prompts = len(query_lens)
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+        blocks_per_prompt = -(-prompt_len // block_size)
+        block_table = np.arange(num_prompts * blocks_per_prompt, dtype=np.int32).reshape(num_prompts, -1)
+        positions = np.arange(n) - np.repeat(query_start_loc[:-1], query_lens)
+        slots = block_table[np.repeat(np.arange(num_prompts), query_lens), positions // block_size] * block_size \
+            + positions % block_size
+        pre = StepInputs(req_ids=[f"p{i}" for i in range(num_prompts)], input_ids=np.zeros(n, dtype=np.int64),
+                         positions=positions, slot_mapping=slots, block_table=block_table,
+                         logits_indices=query_start_loc[1:] - 1, sampling_req_index=np.arange(num_prompts),
+                         sampling_rows=np.arange(num_prompts), query_start_loc=query_start_loc, seq_lens=query_lens,
+                         max_query_len=int(query_lens.max()), max_seq_len=int(query_lens.max()))
         pm = runner.buffers.load(pre)
-        print(f"  prefill forward, {n} tokens, eager: "
+        what = f"{n} tokens in {num_prompts} prompt(s)"
+        print(f"  prefill forward, {what}, eager: "
               f"{cuda_time_ms(lambda: runner._forward(runner.buffers.input_ids[:n], runner.buffers.positions[:n], pm), 5):.2f} ms")
         if runner.graphs is not None:
-            print(f"  prefill forward, {n} tokens, graph: {cuda_time_ms(lambda: runner.graphs.run(pre), 5):.2f} ms")
+            print(f"  prefill forward, {what}, graph: {cuda_time_ms(lambda: runner.graphs.run(pre), 5):.2f} ms")
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import signal
+import statistics
 import threading
 import time
 from collections import deque
@@ -72,6 +73,7 @@ _OUTBOX = "inproc://engine-core-outbox"
 _IDLE_WAIT_S = 1.0  # how often an idle engine checks its workers are alive
 # Seconds between stats lines while the engine is busy (0: never log them on a timer).
 STATS_INTERVAL_ENV = "MINIVLLM_STATS_INTERVAL"
+STEPS_IN_FLIGHT_ENV = "MINIVLLM_STEPS_IN_FLIGHT"  # async scheduling: steps sent before the oldest one's tokens are back
 DEFAULT_STATS_INTERVAL_S = 5.0
 
 
@@ -127,13 +129,22 @@ def spec_decode_line(stats: EngineStats, last: EngineStats | None) -> str:
 
 
 class StepTimer:
-    """Where the busy loop's time goes: scheduling, waiting for the workers, turning tokens into outputs."""
+    """Where the busy loop's time goes: scheduling, waiting for the workers, turning tokens into
+    outputs; and the time from one step's end to the next's, apart for steps that run prompt
+    tokens (more than one token for some request) and for steps that only decode."""
 
     def __init__(self) -> None:
         self.num_steps = 0
         self.schedule_s = self.execute_s = self.update_s = 0.0
+        self.last_end: float | None = None
+        # Intervals between consecutive steps' ends, by whether the later step ran prompt tokens.
+        self.intervals: dict[bool, deque[float]] = {False: deque(maxlen=1 << 16), True: deque(maxlen=1 << 16)}
 
-    def add(self, schedule_s: float, execute_s: float, update_s: float) -> None:
+    def add(self, schedule_s: float, execute_s: float, update_s: float, runs_prompts: bool = False) -> None:
+        now = time.perf_counter()
+        if self.last_end is not None:
+            self.intervals[runs_prompts].append(now - self.last_end)
+        self.last_end = now
         self.num_steps += 1
         self.schedule_s += schedule_s
         self.execute_s += execute_s
@@ -141,8 +152,19 @@ class StepTimer:
 
     def __str__(self) -> str:
         per_step = lambda total: 1000 * total / self.num_steps  # noqa: E731
-        return (f"{self.num_steps} steps, per step: schedule {per_step(self.schedule_s):.2f} ms, "
+        line = (f"{self.num_steps} steps, per step: schedule {per_step(self.schedule_s):.2f} ms, "
                 f"workers {per_step(self.execute_s):.2f} ms, update {per_step(self.update_s):.2f} ms")
+        # Medians, so that idle time between bursts of work does not count.
+        for runs_prompts, name in ((False, "decode-only"), (True, "with prompt tokens")):
+            if intervals := self.intervals[runs_prompts]:
+                line += (f"; {name}: {len(intervals)} steps, median {1000 * statistics.median(intervals):.2f} ms "
+                         f"from the previous step's end (sum {sum(intervals):.2f} s)")
+        return line
+
+
+def runs_prompts(scheduler_output: SchedulerOutput) -> bool:
+    """Whether a step runs more than one token for some request (prompt chunks, or drafts)."""
+    return scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens)
 
 
 class EngineCore:
@@ -164,10 +186,18 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_gpu_blocks)
         # Async scheduling: steps sent to the workers whose tokens have not come back, oldest first.
         self.steps_in_flight: deque[SchedulerOutput] = deque()
-        # How many: one ahead with async scheduling; with pipeline parallelism one per stage (a
-        # batch queue: stage 0 runs batch B+1 while stage 1 runs B; the scheduler keeps a request
-        # out of a batch while its previous token is still in flight).
-        self.max_concurrent_batches = max(2, config.pipeline_parallel_size)
+        # How many: two ahead of the oldest with async scheduling. With one ahead, step N+2 is
+        # scheduled only once N's tokens are back, and the round trip (the worker hands N's tokens
+        # on, this loop updates and schedules, the worker prepares N+2) had to fit in N+1's GPU
+        # time: at batch 1 on an H100 it did not (0.3 ms of the worker waiting per 1.2 ms step).
+        # With pipeline parallelism one per stage at least (a batch queue: stage 0 runs batch B+1
+        # while stage 1 runs B; the scheduler keeps a request out of a batch while its previous
+        # token is still in flight).
+        steps_in_flight = int(os.environ.get(STEPS_IN_FLIGHT_ENV, "3"))
+        if steps_in_flight < 2:
+            raise ValueError(f"{STEPS_IN_FLIGHT_ENV}={steps_in_flight}: must be >= 2 (no async scheduling: "
+                             "async_scheduling=False)")
+        self.max_concurrent_batches = max(steps_in_flight, config.pipeline_parallel_size)
         self.peak_batches_in_flight = 0  # the most seen at once (tests and logs read it)
         self.step_timer = StepTimer()
         capacity = num_gpu_blocks * config.block_size
@@ -211,11 +241,11 @@ class EngineCore:
             model_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        self.step_timer.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.step_timer.add(t1 - t0, t2 - t1, time.perf_counter() - t2, runs_prompts(scheduler_output))
         return outputs
 
     def step_async(self) -> list[EngineCoreOutput]:
-        """Keep the workers one step ahead: schedule and submit step N+1, then wait for step N's
+        """Keep the workers ahead: schedule and submit steps N+1 and N+2, then wait for step N's
         tokens and turn them into outputs while the workers already run N+1. The scheduler counts
         N's tokens as placeholders meanwhile; the workers have them by the time they run N+1.
         With pipeline parallelism up to max_concurrent_batches steps are in flight, each with
@@ -241,7 +271,7 @@ class EngineCore:
         model_output = self.executor.receive_output()
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        self.step_timer.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.step_timer.add(t1 - t0, t2 - t1, time.perf_counter() - t2, runs_prompts(scheduler_output))
         return outputs
 
     def get_engine_info(self) -> EngineInfo:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,6 +121,7 @@ class ModelRunner:
         self.overlap_outputs = self.device.type == "cuda" if overlap is None else overlap == "1"
         self.overlap_outputs &= self.stage is None  # pipeline stages overlap batches instead
         self.pending: PendingStep | None = None
+        self.gpu_wait_s = 0.0  # time spent waiting for held-back tokens (the worker's step timer reads it)
         self.sampled_host = torch.empty(config.max_num_seqs, dtype=torch.int64,
                                         pin_memory=self.device.type == "cuda")
         self.kv_caches: list[torch.Tensor] = []
@@ -329,7 +331,9 @@ class ModelRunner:
         if pending is None:
             return []
         if pending.copied is not None:
+            t0 = time.perf_counter()
             pending.copied.synchronize()
+            self.gpu_wait_s += time.perf_counter() - t0
         sampled = pending.host.tolist()
         self.input_batch.resolve_pending(pending.rows, sampled)
         return [ModelRunnerOutput(req_ids=pending.req_ids, sampled_token_ids=sampled)]

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import time
 import traceback
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -28,6 +30,29 @@ from minivllm.protocol.serial import encode, worker_input_decoder
 logger = logging.getLogger(__name__)
 
 _PENDING_POLL_S = 20e-6
+
+
+class WorkerStepTimer:
+    """Per step (medians, logged at shutdown): the time in run_step, the part of it spent waiting
+    for the GPU (the previous step's tokens), and the time waiting for the next step to arrive.
+    Which of the three is large says whether a step is bound by the GPU, by this process's host
+    work, or by the EngineCore and the sockets."""
+
+    def __init__(self) -> None:
+        self.run_s: deque[float] = deque(maxlen=1 << 16)
+        self.gpu_wait_s: deque[float] = deque(maxlen=1 << 16)
+        self.recv_wait_s: deque[float] = deque(maxlen=1 << 16)
+
+    def add(self, recv_wait_s: float, run_s: float, gpu_wait_s: float) -> None:
+        self.recv_wait_s.append(recv_wait_s)
+        self.run_s.append(run_s)
+        self.gpu_wait_s.append(gpu_wait_s)
+
+    def __str__(self) -> str:
+        median = lambda values: 1000 * statistics.median(values)  # noqa: E731
+        return (f"{len(self.run_s)} steps, per step (medians): run_step {median(self.run_s):.3f} ms, of which "
+                f"waiting for the GPU {median(self.gpu_wait_s):.3f} ms; waiting for the next step "
+                f"{median(self.recv_wait_s):.3f} ms")
 
 
 class Worker:
@@ -110,19 +135,27 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
         worker = Worker(config, rank, dist_init_address, device_index)
         runner = worker.model_runner
         reply("ready", os.getpid())
+        timer = WorkerStepTimer()
         while True:
+            t0 = time.perf_counter()
             if runner.has_pending():
                 send_when_ready_or_next_step_arrives()
             message = worker_input_decoder.decode(work_socket.recv())
             if isinstance(message, SchedulerOutput):
                 method = "execute_model"
-                send_outputs(runner.run_step(message))
+                t1 = time.perf_counter()
+                gpu_wait_before = runner.gpu_wait_s
+                outputs = runner.run_step(message)
+                timer.add(t1 - t0, time.perf_counter() - t1, runner.gpu_wait_s - gpu_wait_before)
+                send_outputs(outputs)
             elif isinstance(message, WorkerCall):
                 method = message.method
                 reply(method, worker.call(method, message.args))
             elif isinstance(message, Shutdown):
                 from minivllm.worker.distributed import destroy_distributed
 
+                if timer.run_s:
+                    logger.info("worker %d: %s", rank, timer)
                 # Every rank got Shutdown: none is left inside a collective.
                 destroy_distributed(graphs_captured=worker.model_runner.graphs is not None)
                 return 0
