@@ -89,7 +89,8 @@ def main() -> None:
                             stride_scale_slot=0, stride_scale_head=0))
         ints = dict(strides, stride_q_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_q_head=HEAD_DIM,
                     stride_o_token=HEADS * HEAD_DIM, stride_o_head=HEAD_DIM, stride_block_table=4096, num_seqs=257,
-                    num_kv_heads=KV_HEADS)
+                    num_kv_heads=KV_HEADS, stride_key_token=KV_HEADS * HEAD_DIM, stride_key_head=HEAD_DIM,
+                    stride_value_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_value_head=HEAD_DIM)
         pointers = {name: cache if name in ("k_cache_ptr", "v_cache_ptr") else "*fp32" if "scale" in name or "partial" in name
                     else "*i32" if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr")
                     else "*bf16" for name in ta._paged_decode_kernel.arg_names + ta._paged_attention_kernel.arg_names
@@ -101,11 +102,13 @@ def main() -> None:
             ("scale_log2e",), decode.num_warps, decode.num_stages, decode.maxnreg)
         report(f"decode-{'fp8' if fp8 else 'bf16'}", compiled, args.out)
         prefill = ta.PREFILL_FP8 if fp8 else ta.PREFILL
-        compiled = compile_sm90(ta._paged_attention_kernel, ints, pointers, dict(
-            HEADS_PER_KV=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
-            BLOCK_Q=prefill.block_m // (HEADS // KV_HEADS), BLOCK_M=prefill.block_m, BLOCK_N=prefill.block_n,
-            IEEE_FP32=False, FP8=fp8), ("scale_log2e",), prefill.num_warps, prefill.num_stages, prefill.maxnreg)
-        report(f"prefill-{'fp8' if fp8 else 'bf16'}", compiled, args.out)
+        for fresh_kv in (False, True):  # a chunk's own keys from the cache, or from the step's k and v
+            compiled = compile_sm90(ta._paged_attention_kernel, ints, pointers, dict(
+                HEADS_PER_KV=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
+                BLOCK_Q=prefill.block_m // (HEADS // KV_HEADS), BLOCK_M=prefill.block_m, BLOCK_N=prefill.block_n,
+                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv), ("scale_log2e",), prefill.num_warps, prefill.num_stages,
+                prefill.maxnreg)
+            report(f"prefill-{'fp8' if fp8 else 'bf16'}{'-fresh' if fresh_kv else ''}", compiled, args.out)
 
 
 if __name__ == "__main__":

@@ -32,14 +32,15 @@ def prefill_flops(shape, vocab_hidden: int, num_tokens: int) -> float:
     return projections + attention
 
 
-def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int) -> dict[int, list[float]]:
+def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int,
+                  kv_cache_dtype: str = "auto") -> dict[int, list[float]]:
     from minivllm import LLM, SamplingParams
 
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     times: dict[int, list[float]] = {}
     with LLM(model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-             max_model_len=max(input_lens) + 16, max_num_batched_tokens=budget) as llm:
+             max_model_len=max(input_lens) + 16, max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype) as llm:
         for n in input_lens:
             prompt = {"prompt_token_ids": torch.randint(0, 32000, (n,), generator=gen).tolist()}
             llm.generate(prompt, first, use_tqdm=False)  # warm-up: compiles this shape's kernels
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="8192,32768", help="max_num_batched_tokens values to run")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--json")
     args = parser.parse_args()
     input_lens = [int(x) for x in args.input_lens.split(",")]
@@ -94,7 +96,8 @@ def main() -> None:
     peak = measure_ceilings("cuda", "bfloat16").matmul_flops_per_s
 
     rows = []
-    runs = {f"minivllm, budget {b}": time_minivllm(args.model, input_lens, int(b), args.iters)
+    cache = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype}"
+    runs = {f"minivllm, budget {b}{cache}": time_minivllm(args.model, input_lens, int(b), args.iters, args.kv_cache_dtype)
             for b in args.budgets.split(",")}
     if not args.no_hf:
         runs["HF forward, SDPA"] = time_hf(args.model, input_lens, args.iters)

@@ -48,6 +48,8 @@ CASES = {
     "prefill-1x8192": [[(0, 8192)]],
     "prefill-32k": [[(c, 8192)] for c in (0, 8192, 16384, 24576)],
     "prefill-1x16384": [[(0, 16384)]],
+    # a prefill step of the 256-request workload: a full budget of prompts of its mean length
+    "prefill-8192x562": [[(0, 562)] * 14 + [(0, 324)]],
     "decode-256x700": [[(700, 1)] * 256],
     # the 256-request workload's decode steps: contexts from 100 to 1280 tokens, in arrival order
     "decode-256xragged": [[(int(n), 1) for n in np.random.default_rng(0).integers(100, 1280, 256)]],
@@ -69,7 +71,7 @@ def build_step(cases, fp8: bool):
     q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0)
     if not fp8:
         store_kv(k, v, plain_cache, md.slot_mapping)
-        return q, plain_cache, md
+        return q, plain_cache, md, k, v
     layout = KVCacheLayout(BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.bfloat16, fp8=True)
     cache = layout.allocate(plain_cache.shape[1], q.device)
     num_slots = plain_cache.shape[1] * BLOCK_SIZE
@@ -77,7 +79,7 @@ def build_step(cases, fp8: bool):
     flat = plain_cache.view(2, num_slots, KV_HEADS, HEAD_DIM)
     store_kv(flat[0], flat[1], cache, every_slot, layout)  # the same K/V, quantized
     store_kv(k, v, cache, md.slot_mapping, layout)
-    return q, cache, dataclasses.replace(md, kv_layout=layout)
+    return q, cache, dataclasses.replace(md, kv_layout=layout), k, v
 
 
 def main() -> None:
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=4)
     parser.add_argument("--baseline", help="another triton_attention.py to time beside this one")
     parser.add_argument("--no-sweep", action="store_true", help="time the default shapes only")
+    parser.add_argument("--cache-only", action="store_true",
+                        help="prefill reads every key from the cache (not a chunk's own from the step's k and v)")
     parser.add_argument("--configs", help="sweep these shapes only, ';'-separated, each the config's fields "
                                           "comma-separated (none for None), e.g. '128,64,8,3,none;64,64,4,3,none'")
     parser.add_argument("--graph-seqs", type=int, default=257,
@@ -111,11 +115,12 @@ def main() -> None:
             work, unit = 4 * pairs * HEAD_DIM * HEADS / 1e12, "TFLOP/s"
 
         def run(tiles):
-            for q, cache, md in steps:
+            for q, cache, md, k, v in steps:
                 if isinstance(tiles, DecodeConfig):
                     decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
-                else:
-                    paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
+                else:  # as the model calls it: the chunk's own keys from k and v, unless --cache-only
+                    fresh = {} if args.cache_only else dict(key=k, value=v)
+                    paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, **fresh)
 
         results = []
         sweep = DECODE_CONFIGS if decode else PREFILL_CONFIGS
@@ -140,7 +145,7 @@ def main() -> None:
             print(f"  default, sequences in order: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if baseline is not None:
             def run_baseline():
-                for q, cache, md in steps:
+                for q, cache, md, _, _ in steps:
                     baseline.paged_attention(q, cache, md, HEAD_DIM**-0.5)
 
             ms = do_bench(run_baseline, warmup=10, rep=50, return_mode="median")

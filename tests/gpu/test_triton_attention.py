@@ -71,6 +71,7 @@ def make_batch(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 4, 8])
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
 def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_size=16) -> None:
+    """(Given k and v as the model gives them, a 16-bit cache's prefill still reads the cache.)"""
     num_kv_heads = 2
     q, k, v, cache, metadata = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim, block_size,
                                           dtype, seed=head_dim + heads_per_kv)
@@ -81,7 +82,7 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
 
     expected = reference_attention(q.double(), expected_cache.double(), metadata, head_dim**-0.5)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    paged_attention(q, cache, metadata, head_dim**-0.5, out=out)
+    paged_attention(q, cache, metadata, head_dim**-0.5, out=out, key=k, value=v)
     assert not out.isnan().any()
     error = (out.double() - expected).norm() / expected.norm()
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
@@ -132,6 +133,28 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     assert not out.isnan().any()
     error = (out.float() - expected).norm() / expected.norm()
     assert error < 1e-2, f"relative error {error:.2e}"
+
+    # As the model calls it: a chunk of several tokens attends its own keys unquantized (k, v),
+    # the context before it as the cache holds it; a decode reads its key from the cache.
+    plain = torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), device="cuda")
+    plain[0] = dequantize(views.key, views.key_scale, torch.float32)
+    plain[1] = dequantize(views.value, views.value_scale, torch.float32)
+    write_kv(k.float(), v.float(), plain, metadata.slot_mapping)
+    expected_fresh = reference_attention(q.float(), plain, plain_metadata(metadata), head_dim**-0.5)
+    query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
+    decode_rows = torch.repeat_interleave(query_lens == 1, query_lens)[:, None, None]
+    expected_fresh = torch.where(decode_rows, expected, expected_fresh)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, cache, metadata, head_dim**-0.5, out=out, key=k, value=v)
+    assert not out.isnan().any()
+    error = (out.float() - expected_fresh).norm() / expected_fresh.norm()
+    assert error < 1e-2, f"relative error against the chunk unquantized {error:.2e}"
+    if (query_lens > 1).any():  # and it is not what reading the chunk's FP8 keys gives
+        assert (out.float() - expected).norm() / expected.norm() > 2 * error
+
+
+def plain_metadata(metadata: AttentionMetadata) -> AttentionMetadata:
+    return dataclasses.replace(metadata, kv_layout=None)
 
 
 @pytest.mark.parametrize("block_size", [32, 7])

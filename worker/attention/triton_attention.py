@@ -173,6 +173,61 @@ def _fp8_values_product(
 
 
 @triton.jit
+def _softmax_step(scores, m_i, l_i, scale_log2e, visible, MASKED: tl.constexpr):
+    """The online softmax's update for one tile of scores: (p, alpha, l_i, m_new). The running max
+    m_i is kept in log2 units (scores * scale_log2e), so the exponent is one fused multiply-add
+    per score. MASKED: `visible` says which scores count (the rest become -inf)."""
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2e)
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    else:
+        m_safe = m_new
+    p = tl.math.exp2(scores * scale_log2e - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    return p, alpha, l_i * alpha + tl.sum(p, axis=1), m_new
+
+
+@triton.jit
+def _attend_fresh_tile(
+    q, acc, l_i, m_i, key_start, token_in_chunk, chunk_keys, key_rows, value_rows, scale_log2e,
+    stride_key_token, stride_value_token, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    """One step of the online softmax over keys [key_start, key_start + BLOCK_N) of the step's own
+    chunk, read from the key and value tensors the layer just computed (contiguous rows, the
+    model's dtype) instead of the cache: no block table to follow, and an FP8 cache's chunk is
+    attended unquantized. MASKED: the causal diagonal and the chunk's end."""
+    offs_j = key_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    k_ptrs = key_rows + offs_j.to(tl.int64)[:, None] * stride_key_token + offs_d[None, :]
+    v_ptrs = value_rows + offs_j.to(tl.int64)[:, None] * stride_value_token + offs_d[None, :]
+    if MASKED:
+        kv_mask = (offs_j < chunk_keys)[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PADDED:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        kv_mask = offs_d[None, :] < HEAD_DIM
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if IEEE_FP32:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    visible = (offs_j[None, :] <= token_in_chunk[:, None]) & (offs_j < chunk_keys)[None, :]
+    p, alpha, l_i, m_new = _softmax_step(scores, m_i, l_i, scale_log2e, visible, MASKED)
+    if IEEE_FP32:
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_key_tile(
     q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -218,19 +273,10 @@ def _attend_key_tile(
             scores = scores * tl.load(k_scale_ptr + scale_cols, mask=block_valid)[None, :]
         else:
             scores = scores * tl.load(k_scale_ptr + scale_cols)[None, :]
-    # The running max m_i is kept in log2 units (scores * scale_log2e), so the exponent below is
-    # one fused multiply-add per score.
+    visible = None
     if MASKED:
         visible = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2e)
-    if MASKED:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-    else:
-        m_safe = m_new
-    p = tl.math.exp2(scores * scale_log2e - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, l_i, m_new = _softmax_step(scores, m_i, l_i, scale_log2e, visible, MASKED)
     if FP8:
         pv = _fp8_values_product(
             p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d,
@@ -252,17 +298,21 @@ def _attend_key_tile(
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2e, num_seqs, num_kv_heads,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_FP32: tl.constexpr, FP8: tl.constexpr,
+    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr,
 ):
+    """FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
+    [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
+    Otherwise every key comes from the cache."""
     # Programs run roughly in launch order, and a causal tile's work grows with its position, so
     # the last tiles go first (every KV head's) and the short ones fill the tail.
     pid = tl.program_id(0)
@@ -289,35 +339,61 @@ def _paged_attention_kernel(
     d_valid = offs_d < HEAD_DIM
 
     q_rows = (q_start + token_in_chunk).to(tl.int64) * stride_q_token + head * stride_q_head
-    q = tl.load(query_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    q_ptrs = query_ptr + q_rows[:, None] + offs_d[None, :]
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if FP8 and not IEEE_FP32:  # e4m3 widens to float16 cheaply (see _paged_decode_kernel)
         q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-
-    # Keys before the tile's first query position are seen by every row: those tiles skip the
-    # masks. The rest, up to the last query's position, are masked (the causal diagonal).
-    first_pos = context_len + tile_in_seq * BLOCK_Q
-    num_keys = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    # (A mixed graph's padding tokens form a sequence of length 0: negative positions, no keys.)
-    unmasked_end = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, num_keys), 0)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    for key_start in range(0, unmasked_end, BLOCK_N):
+
+    # The keys read from the cache, [0, cache_end): the context before the chunk when the chunk's
+    # own keys come from key_ptr / value_ptr (every row sees all of it), else all up to the tile's
+    # last query. Tiles every row sees whole skip the masks (cache_unmasked_end); the rest, the
+    # causal diagonal or the context's end, are masked. (A mixed graph's padding tokens form a
+    # sequence of length 0: negative positions, no keys.)
+    if FRESH_KV:
+        cache_end = tl.maximum(context_len, 0)
+        cache_unmasked_end = cache_end // BLOCK_N * BLOCK_N
+    else:
+        first_pos = context_len + tile_in_seq * BLOCK_Q
+        cache_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+        cache_unmasked_end = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, cache_end), 0)
+    for key_start in range(0, cache_unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attend_key_tile(
-            q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
+            q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
             stride_scale_block, stride_scale_slot, stride_scale_head,
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
-    for key_start in range(unmasked_end, num_keys, BLOCK_N):
+    for key_start in range(cache_unmasked_end, cache_end, BLOCK_N):
         acc, l_i, m_i = _attend_key_tile(
-            q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
+            q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
             stride_scale_block, stride_scale_slot, stride_scale_head,
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, True, IEEE_FP32, FP8)
+    if FRESH_KV:
+        # The chunk's keys j (its token j) up to the tile's last query: those before the tile's
+        # first query are seen by every row (no masks), the rest form the causal diagonal.
+        if FP8 and not IEEE_FP32:
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # the chunk's keys are in the model's dtype
+        chunk_keys = tl.where(seq_len > 0, tl.minimum(q_len, (tile_in_seq + 1) * BLOCK_Q), 0)
+        first_query = tile_in_seq * BLOCK_Q
+        unmasked_end = tl.minimum((first_query + 1) // BLOCK_N * BLOCK_N, chunk_keys)
+        key_rows = key_ptr + q_start.to(tl.int64) * stride_key_token + kv_head * stride_key_head
+        value_rows = value_ptr + q_start.to(tl.int64) * stride_value_token + kv_head * stride_value_head
+        for key_start in range(0, unmasked_end, BLOCK_N):
+            acc, l_i, m_i = _attend_fresh_tile(
+                q, acc, l_i, m_i, key_start, token_in_chunk, chunk_keys, key_rows, value_rows, scale_log2e,
+                stride_key_token, stride_value_token, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_N, False, IEEE_FP32)
+        for key_start in range(unmasked_end, chunk_keys, BLOCK_N):
+            acc, l_i, m_i = _attend_fresh_tile(
+                q, acc, l_i, m_i, key_start, token_in_chunk, chunk_keys, key_rows, value_rows, scale_log2e,
+                stride_key_token, stride_value_token, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_N, True, IEEE_FP32)
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = (q_start + token_in_chunk).to(tl.int64) * stride_o_token + head * stride_o_head
@@ -524,8 +600,11 @@ PREFILL = PrefillConfig()
 PREFILL_SMALL = PrefillConfig(64, 64, 4, 2, None)
 # An FP8 cache's tiles are widened to float16 on their way to the tensor cores, which takes
 # registers the 128 cap would spill: one 8,192-token prompt in 1.33 ms against 1.96 with PREFILL's
-# shape (H100, benchmarks/results/2026-11-25-h100-fp8-decode/).
-PREFILL_FP8 = PrefillConfig(128, 128, 8, 2, None)
+# shape (H100, benchmarks/results/2026-11-25-h100-fp8-decode/). With the chunk's own keys read
+# unquantized (paged_attention) the same prompt takes 0.76 ms at 3 stages.
+PREFILL_FP8 = PrefillConfig(128, 128, 8, 3, None)
+# An FP8 cache's prefill reads a chunk's own keys from the step's key/value ("0": from the cache).
+PREFILL_FRESH_KV = os.environ.get("MINIVLLM_PREFILL_FRESH_KV", "1") != "0"
 
 
 class DecodeConfig(NamedTuple):
@@ -626,10 +705,19 @@ def decode_attention(
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     out: torch.Tensor | None = None, config: PrefillConfig | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim]. A
     decode-only step goes to the decode kernel; a step with prefill chunks to the prefill kernel
-    (`config`: its tile shape), whose one-token sequences the decode kernel takes."""
+    (`config`: its tile shape), whose one-token sequences the decode kernel takes.
+
+    key, value [num_tokens, num_kv_heads, head_dim]: this step's, in the query's dtype (already in
+    the cache too). With an FP8 cache the prefill kernel reads each chunk's own keys from them,
+    unquantized, and only the context before the chunk from the cache: e4m3 tiles are widened on
+    their way to the tensor cores, which made an FP8 prefill 2.3x slower than a bfloat16 one, and
+    the chunk's attention is more accurate for it. (A 16-bit cache holds exactly these values, and
+    the second set of pipelined tiles would take the shared memory a second program per SM needs:
+    measured slower, so it reads the cache.) $MINIVLLM_PREFILL_FRESH_KV=0: the cache always."""
     if metadata.max_query_len == 1:
         return decode_attention(query, kv_cache, metadata, scale, out=out)
     out = decode_attention(query, kv_cache, metadata, scale, out=out, mixed=True)
@@ -645,15 +733,22 @@ def paged_attention(
     grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     views = layout.split(kv_cache)
     k_scale, v_scale = _scales(views)
+    fresh_kv = key is not None and value is not None and layout.fp8 and PREFILL_FRESH_KV
+    if fresh_kv and (key.stride(2) != 1 or value.stride(2) != 1 or key.dtype != query.dtype):
+        raise ValueError("key and value must be [num_tokens, num_kv_heads, head_dim] with unit stride along "
+                         f"head_dim, in the query's dtype ({query.dtype})")
+    if not fresh_kv:
+        key = value = query  # unused
     _paged_attention_kernel[grid](
-        out, query, views.key, views.value, k_scale, v_scale,
+        out, query, key, value, views.key, views.value, k_scale, v_scale,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         scale * 1.4426950408889634, num_seqs, num_kv_heads,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides(views),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views),
         metadata.block_tables.stride(0),
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8,
+        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, FRESH_KV=fresh_kv,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
@@ -675,3 +770,10 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                scale: float) -> torch.Tensor:
         return paged_attention(query, kv_cache, metadata, scale)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+        """As AttentionBackend's, but prefill chunks attend their own keys from key/value."""
+        if not kv_stored:
+            self.store(key, value, kv_cache, metadata)
+        return paged_attention(query, kv_cache, metadata, scale, key=key, value=value)
