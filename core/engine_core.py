@@ -190,14 +190,16 @@ class EngineCore:
         # scheduled only once N's tokens are back, and the round trip (the worker hands N's tokens
         # on, this loop updates and schedules, the worker prepares N+2) had to fit in N+1's GPU
         # time: at batch 1 on an H100 it did not (0.3 ms of the worker waiting per 1.2 ms step).
-        # With pipeline parallelism one per stage at least (a batch queue: stage 0 runs batch B+1
+        # With pipeline parallelism one per stage instead (a batch queue: stage 0 runs batch B+1
         # while stage 1 runs B; the scheduler keeps a request out of a batch while its previous
-        # token is still in flight).
+        # token is still in flight, so a batch more than the stages would only split the requests
+        # thinner).
         steps_in_flight = int(os.environ.get(STEPS_IN_FLIGHT_ENV, "3"))
         if steps_in_flight < 2:
             raise ValueError(f"{STEPS_IN_FLIGHT_ENV}={steps_in_flight}: must be >= 2 (no async scheduling: "
                              "async_scheduling=False)")
-        self.max_concurrent_batches = max(steps_in_flight, config.pipeline_parallel_size)
+        pp_size = config.pipeline_parallel_size
+        self.max_concurrent_batches = pp_size if pp_size > 1 else steps_in_flight
         self.peak_batches_in_flight = 0  # the most seen at once (tests and logs read it)
         self.step_timer = StepTimer()
         capacity = num_gpu_blocks * config.block_size
