@@ -186,6 +186,9 @@ def main() -> None:
         if n % prompt_len:
             query_lens = np.append(query_lens, n % prompt_len)
         num_prompts = len(query_lens)
+        if num_prompts > args.batch:  # a step holds at most max_num_seqs (= --batch) sequences
+            raise SystemExit(f"--prompt-len {prompt_len}: {num_prompts} prompts fill the budget, more than --batch "
+                             f"{args.batch} sequences a step may hold")
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
         blocks_per_prompt = -(-prompt_len // block_size)
         block_table = np.arange(num_prompts * blocks_per_prompt, dtype=np.int32).reshape(num_prompts, -1)
