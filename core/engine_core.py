@@ -172,6 +172,23 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Async scheduling keeps steps in flight (sent to the workers, tokens not back yet). How
+        # many (checked before the workers start): two ahead of the oldest. With one ahead, step
+        # N+2 is scheduled only once N's tokens are back, and the round trip (the worker hands N's
+        # tokens on, this loop updates and schedules, the worker prepares N+2) had to fit in N+1's
+        # GPU time: at batch 1 on an H100 it did not (0.3 ms of the worker waiting per 1.2 ms
+        # step). With pipeline parallelism one per stage instead (a batch queue: stage 0 runs batch
+        # B+1 while stage 1 runs B; the scheduler keeps a request out of a batch while its previous
+        # token is still in flight, so a batch more than the stages would only split the requests
+        # thinner).
+        setting = os.environ.get(STEPS_IN_FLIGHT_ENV, "3")
+        if not setting.strip().isdigit() or int(setting) < 2:
+            raise ValueError(f"{STEPS_IN_FLIGHT_ENV}={setting!r}: must be an integer >= 2 (for no async scheduling: "
+                             "async_scheduling=False)")
+        steps_in_flight = int(setting)
+        pp_size = config.pipeline_parallel_size
+        self.max_concurrent_batches = pp_size if pp_size > 1 else steps_in_flight
+        self.steps_in_flight: deque[SchedulerOutput] = deque()  # oldest first
         self.executor = make_executor(config)  # mp or ray, as config.distributed_executor_backend says
         try:
             if config.num_gpu_blocks is not None:
@@ -184,22 +201,6 @@ class EngineCore:
             raise
         self.num_gpu_blocks = num_gpu_blocks
         self.scheduler = Scheduler(config, num_gpu_blocks)
-        # Async scheduling: steps sent to the workers whose tokens have not come back, oldest first.
-        self.steps_in_flight: deque[SchedulerOutput] = deque()
-        # How many: two ahead of the oldest with async scheduling. With one ahead, step N+2 is
-        # scheduled only once N's tokens are back, and the round trip (the worker hands N's tokens
-        # on, this loop updates and schedules, the worker prepares N+2) had to fit in N+1's GPU
-        # time: at batch 1 on an H100 it did not (0.3 ms of the worker waiting per 1.2 ms step).
-        # With pipeline parallelism one per stage instead (a batch queue: stage 0 runs batch B+1
-        # while stage 1 runs B; the scheduler keeps a request out of a batch while its previous
-        # token is still in flight, so a batch more than the stages would only split the requests
-        # thinner).
-        steps_in_flight = int(os.environ.get(STEPS_IN_FLIGHT_ENV, "3"))
-        if steps_in_flight < 2:
-            raise ValueError(f"{STEPS_IN_FLIGHT_ENV}={steps_in_flight}: must be >= 2 (no async scheduling: "
-                             "async_scheduling=False)")
-        pp_size = config.pipeline_parallel_size
-        self.max_concurrent_batches = pp_size if pp_size > 1 else steps_in_flight
         self.peak_batches_in_flight = 0  # the most seen at once (tests and logs read it)
         self.step_timer = StepTimer()
         capacity = num_gpu_blocks * config.block_size

@@ -130,3 +130,14 @@ def test_placeholders_let_a_decode_be_scheduled_before_its_token_arrives() -> No
         scheduler.update_from_output(out, result)
     assert len(request.output_token_ids) == 3 and request.finish_reason == FINISH_LENGTH
     assert request.num_output_placeholders == 0 and not scheduler.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("setting", ["1", "0", "two", "-3"])
+def test_steps_in_flight_setting_is_checked_before_any_worker_starts(monkeypatch, setting: str) -> None:
+    from minivllm.core import engine_core
+    from tests.unit.scheduler_harness import make_config
+
+    monkeypatch.setenv("MINIVLLM_STEPS_IN_FLIGHT", setting)
+    monkeypatch.setattr(engine_core, "make_executor", lambda config: pytest.fail("a worker was started"))
+    with pytest.raises(ValueError, match="MINIVLLM_STEPS_IN_FLIGHT=.*must be an integer >= 2"):
+        engine_core.EngineCore(make_config())
