@@ -140,7 +140,8 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     plain[0] = dequantize(views.key, views.key_scale, torch.float32)
     plain[1] = dequantize(views.value, views.value_scale, torch.float32)
     write_kv(k.float(), v.float(), plain, metadata.slot_mapping)
-    expected_fresh = reference_attention(q.float(), plain, plain_metadata(metadata), head_dim**-0.5)
+    expected_fresh = reference_attention(q.float(), plain, dataclasses.replace(metadata, kv_layout=None),
+                                         head_dim**-0.5)
     query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
     decode_rows = torch.repeat_interleave(query_lens == 1, query_lens)[:, None, None]
     expected_fresh = torch.where(decode_rows, expected, expected_fresh)
@@ -151,10 +152,6 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     assert error < 1e-2, f"relative error against the chunk unquantized {error:.2e}"
     if (query_lens > 1).any():  # and it is not what reading the chunk's FP8 keys gives
         assert (out.float() - expected).norm() / expected.norm() > 2 * error
-
-
-def plain_metadata(metadata: AttentionMetadata) -> AttentionMetadata:
-    return dataclasses.replace(metadata, kv_layout=None)
 
 
 @pytest.mark.parametrize("block_size", [32, 7])

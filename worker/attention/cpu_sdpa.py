@@ -91,7 +91,8 @@ class SdpaAttentionBackend(AttentionBackend):
         write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+        """(Every key from the cache: key and value are not read.)"""
         layout = metadata.layout(kv_cache)
         plan = self.plan(metadata, layout.block_size)
         views = layout.split(kv_cache)  # an FP8 cache is dequantized to the query's dtype as it is gathered

@@ -87,8 +87,11 @@ class AttentionBackend:
 
       store(key, value, kv_cache, metadata)       key/value [num_tokens, num_kv_heads, head_dim]
                                                   to their slots (metadata.slot_mapping)
-      attend(query, kv_cache, metadata, scale)    query [num_tokens, num_heads, head_dim]
-                                                  -> output [num_tokens, num_heads, head_dim]
+      attend(query, kv_cache, metadata, scale, key, value)
+                                                  query [num_tokens, num_heads, head_dim]
+                                                  -> output [num_tokens, num_heads, head_dim];
+                                                  key/value: this step's, already stored (a
+                                                  backend may read a chunk's own keys from them)
 
     A backend with stores_kv_with_rope lets the RoPE kernel write the K/V (ops.norm_rope), and
     the layer then calls forward with kv_stored=True.
@@ -102,11 +105,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
         if not kv_stored:
             self.store(key, value, kv_cache, metadata)
-        return self.attend(query, kv_cache, metadata, scale)
+        return self.attend(query, kv_cache, metadata, scale, key, value)

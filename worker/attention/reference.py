@@ -117,5 +117,6 @@ class ReferenceAttentionBackend(AttentionBackend):
         write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+        """(Every key from the cache: key and value are not read.)"""
         return paged_attention(query, kv_cache, metadata, scale)

@@ -768,12 +768,6 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(key, value, kv_cache, metadata.slot_mapping, metadata.layout(kv_cache))
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        return paged_attention(query, kv_cache, metadata, scale)
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
-        """As AttentionBackend's, but prefill chunks attend their own keys from key/value."""
-        if not kv_stored:
-            self.store(key, value, kv_cache, metadata)
+               scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+        """(An FP8 cache's prefill chunks attend their own keys from key and value: paged_attention.)"""
         return paged_attention(query, kv_cache, metadata, scale, key=key, value=value)
