@@ -101,15 +101,20 @@ def main() -> None:
             num_scheduled_tokens={str(i): 1 for i in range(args.batch)},
             total_num_scheduled_tokens=args.batch, finished_req_ids=[])
 
-    torch.cuda.synchronize()
-    wall = []
-    for _ in range(args.steps):
-        so = decode_output()
-        t = time.perf_counter()
-        runner.execute_model(so)
-        wall.append(time.perf_counter() - t)
-        computed = [c + 1 for c in computed]
-    step_ms = 1000 * float(np.median(wall))
+    def timed_steps(run_step, num_steps: int) -> float:
+        """Median wall time (ms) of `run_step(scheduler_output)` over num_steps decode steps."""
+        nonlocal computed
+        torch.cuda.synchronize()
+        wall = []
+        for _ in range(num_steps):
+            so = decode_output()
+            t = time.perf_counter()
+            run_step(so)
+            wall.append(time.perf_counter() - t)
+            computed = [c + 1 for c in computed]
+        return 1000 * float(np.median(wall))
+
+    step_ms = timed_steps(runner.execute_model, args.steps)
     print(f"decode step, batch {args.batch}, context ~{args.context}: execute_model {step_ms:.2f} ms "
           f"-> {args.batch / step_ms * 1000:.0f} tok/s")
 
@@ -117,28 +122,23 @@ def main() -> None:
         # As the worker runs them: run_step holds a step's tokens back and hands them on after
         # launching the next step, so the host may run up to a step ahead of the GPU.
         runner.overlap_outputs = True
-        torch.cuda.synchronize()
-        wall = []
-        for _ in range(args.steps):
-            so = decode_output()
-            t = time.perf_counter()
-            runner.run_step(so)
-            wall.append(time.perf_counter() - t)
-            computed = [c + 1 for c in computed]
+        loop_ms = timed_steps(runner.run_step, args.steps)
         gpu_wait_before = runner.gpu_wait_s
         from torch.profiler import ProfilerActivity, profile
 
+        profiled_steps = 20
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
-            for _ in range(20):
+            for _ in range(profiled_steps):
                 runner.run_step(decode_output())
                 computed = [c + 1 for c in computed]
             loop_s = time.perf_counter() - t
         runner.finish_pending()
         torch.cuda.synchronize()
-        print(f"worker loop (overlapped run_step): median {1000 * float(np.median(wall)):.3f} ms per step; "
-              f"profiled: {loop_s * 50:.3f} ms per step, of which waiting for the GPU's tokens "
-              f"{(runner.gpu_wait_s - gpu_wait_before) * 50:.3f} ms")
+        per_step_ms = lambda seconds: 1000 * seconds / profiled_steps  # noqa: E731
+        print(f"worker loop (overlapped run_step): median {loop_ms:.3f} ms per step; "
+              f"profiled: {per_step_ms(loop_s):.3f} ms per step, of which waiting for the GPU's tokens "
+              f"{per_step_ms(runner.gpu_wait_s - gpu_wait_before):.3f} ms")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
 
     # The pieces.
