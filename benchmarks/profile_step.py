@@ -211,7 +211,9 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            if args.profile_prefill:
+            if args.profile_prefill and runner.graphs is not None:  # as the engine runs it: padded
+                runner.graphs.run(pre)
+            elif args.profile_prefill:
                 runner._forward(runner.buffers.input_ids[:n], runner.buffers.positions[:n], pm)
             else:
                 runner.execute_model(decode_output())

@@ -18,7 +18,9 @@ them to its bucket and replays one graph:
 Padding is made harmless on the host: padded tokens have position 0 and slot -1 (nothing is
 written to the cache) and belong to sequences of length 0 (nothing is read, the output is 0).
 Decode padding gives each padded row a sequence of its own; mixed padding puts the padded tokens
-into one extra sequence and leaves the other padded sequences empty.
+into one extra sequence after the step's and leaves the padded sequences after it empty (the
+metadata's num_active_seqs counts the ones before: the prefill kernel's grid spans every
+sequence, and its programs for the empty ones exit at once).
 """
 
 from __future__ import annotations
@@ -71,11 +73,16 @@ class StepBuffers:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         max_seqs = max_num_seqs + 1  # + the sequence that holds a mixed graph's padding tokens
+        self.max_seqs = max_seqs
         self.input_ids = zeros(max_tokens)
         self.positions = zeros(max_tokens)
         self.slot_mapping = zeros(max_tokens)
-        self.query_start_loc = zeros(max_seqs + 1, dtype=torch.int32)
-        self.seq_lens = zeros(max_seqs, dtype=torch.int32)
+        # query_start_loc, seq_lens and the count of sequences with tokens share one buffer, so
+        # that one copy fills them.
+        self.seq_info = zeros(2 * max_seqs + 2, dtype=torch.int32)
+        self.query_start_loc = self.seq_info[: max_seqs + 1]
+        self.seq_lens = self.seq_info[max_seqs + 1: 2 * max_seqs + 1]
+        self.num_active_seqs = self.seq_info[2 * max_seqs + 1:]
         self.block_tables = zeros(max_seqs, max_blocks_per_req, dtype=torch.int32)
         self.kv_layout: KVCacheLayout | None = None  # set by the model runner; told to the backends
 
@@ -83,21 +90,27 @@ class StepBuffers:
         """Copy a step's host arrays in, padded (on the host) to a graph's bucket when given."""
         num_seqs, num_tokens = len(step.req_ids), step.num_tokens
         input_ids, positions, slot_mapping = step.input_ids, step.positions, step.slot_mapping
-        query_start_loc, seq_lens = step.query_start_loc, step.seq_lens
+        max_seqs = self.max_seqs
+        seq_info = np.zeros(2 * max_seqs + 2, dtype=np.int32)  # padding sequences: length 0
+        seq_info[max_seqs + 1: max_seqs + 1 + num_seqs] = step.seq_lens
+        num_active = num_seqs
         if padded_tokens is not None:
             input_ids = _pad(input_ids, padded_tokens, 0)
             positions = _pad(positions, padded_tokens, 0)
             slot_mapping = _pad(slot_mapping, padded_tokens, -1)
-            seq_lens = _pad(seq_lens, padded_seqs, 0)
             if step.max_query_len == 1:  # decode: a token per sequence, padding ones included
-                query_start_loc = np.arange(padded_seqs + 1, dtype=np.int64)
-            else:  # empty sequences, then one holding every padding token
-                query_start_loc = _pad(query_start_loc, padded_seqs, num_tokens)
-                query_start_loc = np.append(query_start_loc, padded_tokens)
+                seq_info[: padded_seqs + 1] = np.arange(padded_seqs + 1)
+                num_active = padded_seqs
+            else:  # one sequence holding every padding token, then empty ones
+                seq_info[: num_seqs + 1] = step.query_start_loc
+                seq_info[num_seqs + 1: padded_seqs + 1] = padded_tokens
+                num_active = num_seqs + 1
             num_seqs, num_tokens = padded_seqs, padded_tokens
+        else:
+            seq_info[: num_seqs + 1] = step.query_start_loc
+        seq_info[2 * max_seqs + 1] = num_active
         for buffer, array in ((self.input_ids, input_ids), (self.positions, positions),
-                              (self.slot_mapping, slot_mapping), (self.query_start_loc, query_start_loc),
-                              (self.seq_lens, seq_lens)):
+                              (self.slot_mapping, slot_mapping), (self.seq_info, seq_info)):
             buffer[: len(array)].copy_(torch.from_numpy(array), non_blocking=True)
         rows, columns = step.block_table.shape
         self.block_tables[:rows, :columns].copy_(torch.from_numpy(step.block_table), non_blocking=True)
@@ -112,6 +125,7 @@ class StepBuffers:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             kv_layout=self.kv_layout,
+            num_active_seqs=self.num_active_seqs,
         )
 
 
@@ -159,6 +173,7 @@ class StepGraphs:
         b.slot_mapping[:num_tokens] = -1
         b.seq_lens[:num_seqs] = 0
         b.query_start_loc[: num_seqs + 1] = torch.linspace(0, num_tokens, num_seqs + 1, device=b.seq_lens.device).int()
+        b.num_active_seqs.fill_(num_seqs)
         inputs = (b.input_ids[:num_tokens], b.positions[:num_tokens])
         forward(*inputs, b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len))  # warm-up: compiles, settles
         graph = torch.cuda.CUDAGraph()

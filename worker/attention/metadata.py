@@ -52,6 +52,10 @@ class AttentionMetadata:
     # How the cache tensors are laid out (worker/attention/kv_cache.py). None: plain, read off the
     # tensor's shape; an FP8 cache must say so.
     kv_layout: KVCacheLayout | None = None
+    # [1] int32 on the device, or None: sequences [0, n) hold the step's tokens and the rest are
+    # empty. A CUDA graph's sequence count is its bucket's, mostly empty padding; this lets a
+    # kernel whose grid spans every sequence skip the empty ones without searching for them.
+    num_active_seqs: torch.Tensor | None = None
     # What backends derive from the step once for all its layers (derived()); a copy made with
     # dataclasses.replace starts empty.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -299,7 +299,7 @@ def _attend_key_tile(
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_active_seqs_ptr,
     scale_log2e, num_seqs, num_kv_heads,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
@@ -308,16 +308,26 @@ def _paged_attention_kernel(
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr,
+    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
 ):
     """FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
     [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
-    Otherwise every key comes from the cache."""
+    Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
+    have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched."""
     # Programs run roughly in launch order, and a causal tile's work grows with its position, so
-    # the last tiles go first (every KV head's) and the short ones fill the tail.
+    # the last tiles go first (every KV head's) and the short ones fill the tail. Sequence s owns
+    # tiles up to query_start_loc[s + 1] // BLOCK_Q + s, so the active ones own fewer than
+    # num_tiles; the programs past those (the empty sequences', last in launch order) just exit.
     pid = tl.program_id(0)
     kv_head = pid % num_kv_heads
-    tile = (tl.num_programs(0) - 1 - pid) // num_kv_heads
+    if ACTIVE_SEQS:
+        num_seqs = tl.load(num_active_seqs_ptr)
+        num_tiles = tl.load(query_start_loc_ptr + num_seqs) // BLOCK_Q + num_seqs
+    else:
+        num_tiles = tl.num_programs(0) // num_kv_heads
+    tile = num_tiles - 1 - pid // num_kv_heads
+    if tile < 0:
+        return
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -742,6 +752,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, query, key, value, views.key, views.value, k_scale, v_scale,
         metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+        metadata.num_active_seqs if metadata.num_active_seqs is not None else metadata.seq_lens,
         scale * 1.4426950408889634, num_seqs, num_kv_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views),
@@ -749,7 +760,7 @@ def paged_attention(
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
         IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, FRESH_KV=fresh_kv,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        ACTIVE_SEQS=metadata.num_active_seqs is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
     return out
