@@ -1,16 +1,16 @@
 """The EngineCore process: the scheduler's busy loop between frontends and workers.
 
-    frontends --ROUTER socket--> input thread --queue--> busy loop --queue--> output thread
-                                  (decode)               schedule()           (encode)
+    frontends --ROUTER socket--> input thread --queue--> busy loop --inproc socket--> input thread
+                                  (decode)               schedule()                    (to the frontend)
                                                          executor.execute_model()
-                                                         update_from_output()
+                                                         update_from_output(), encode
 
 With async scheduling (the default) the busy loop keeps the workers a step ahead: it submits step
 N+1 and only then waits for step N's tokens (EngineCore.step_async).
 
-The busy loop never touches a socket: the input thread owns the ROUTER socket (ZMQ sockets are
-single-threaded) and decodes what arrives; the output thread encodes replies and hands the bytes to
-the input thread through an in-process socket. So (de)serialization overlaps the model step.
+The input thread owns the ROUTER socket (ZMQ sockets are single-threaded) and decodes and checks
+what arrives; the busy loop encodes its replies and pushes the bytes to the input thread through an
+in-process socket of its own, and the input thread sends them on.
 Several frontends may be attached at once; each request's outputs go back to the frontend that
 sent it. The socket is untrusted input: see EngineCoreProc.
 """
@@ -355,7 +355,6 @@ class EngineCoreProc(EngineCore):
         # Bounded: when the busy loop falls behind, the socket thread waits, ZMQ's queues fill
         # (RCVHWM) and senders are pushed back, instead of memory growing.
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue(maxsize=_INPUT_QUEUE_SIZE)
-        self.output_queue: queue.Queue[tuple[bytes, EngineCoreOutputs] | None] = queue.Queue()
         self.request_owner: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
         self.client_requests: dict[bytes, set[str]] = {}  # identity -> its live request ids
         self.clients: set[bytes] = set()
@@ -380,16 +379,18 @@ class EngineCoreProc(EngineCore):
         bound = threading.Event()
         self.bind_error: BaseException | None = None
         self.input_thread = threading.Thread(target=self._serve_socket, args=(bound,), name="input", daemon=True)
-        self.output_thread = threading.Thread(target=self._encode_outputs, name="output", daemon=True)
         self.input_thread.start()
-        self.output_thread.start()
         bound.wait()
         if self.bind_error is not None:
             self.stopping.set()
-            self.output_queue.put(None)
             self.ctx.destroy(linger=0)
             self.shutdown()
             raise self.bind_error
+        # The busy loop's way out: it encodes its outputs and pushes them to the socket thread,
+        # which owns the ROUTER socket. (A thread in between, to encode, cost a wake-up per
+        # message and ran under the same GIL.)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.connect(_OUTBOX)
         logger.info("EngineCore serving at %s (%s)", address,
                     "CURVE: only frontends with the engine key" if self.curve_keys else "no engine key")
 
@@ -407,11 +408,10 @@ class EngineCoreProc(EngineCore):
         except WorkerDiedError as e:
             logger.error("engine dead: %s", e)
             for client in self.clients:
-                self.output_queue.put((client, EngineCoreOutputs(engine_dead=str(e))))
+                self._emit(client, EngineCoreOutputs(engine_dead=str(e)))
             raise
         finally:
-            self.output_queue.put(None)
-            self.output_thread.join(timeout=5)
+            self.outbox.close(linger=1000)  # what it holds still reaches the socket thread
             self.stopping.set()
             self.input_thread.join(timeout=5)
             if self.authenticator is not None:
@@ -465,7 +465,7 @@ class EngineCoreProc(EngineCore):
             if outputs:
                 self._send_outputs(outputs)
         elif isinstance(message, UtilityCall):
-            self.output_queue.put((identity, EngineCoreOutputs(utility_result=self._call_utility(message))))
+            self._emit(identity, EngineCoreOutputs(utility_result=self._call_utility(message)))
         elif isinstance(message, Shutdown):
             logger.info("shutdown requested")
             self.stopping.set()
@@ -481,7 +481,7 @@ class EngineCoreProc(EngineCore):
         self.client_requests.pop(identity, None)
 
     def _refuse(self, identity: bytes, request_id: str, error_type: str, error: str) -> None:
-        self.output_queue.put((identity, EngineCoreOutputs(outputs=[refusal(request_id, error_type, error)])))
+        self._emit(identity, EngineCoreOutputs(outputs=[refusal(request_id, error_type, error)]))
 
     def _release_pending(self, count: int) -> None:
         with self.pending_lock:
@@ -515,7 +515,11 @@ class EngineCoreProc(EngineCore):
         if finished:
             self._release_pending(finished)
         for owner, outs in by_client.items():
-            self.output_queue.put((owner, EngineCoreOutputs(outputs=outs)))
+            self._emit(owner, EngineCoreOutputs(outputs=outs))
+
+    def _emit(self, identity: bytes, outputs: EngineCoreOutputs) -> None:
+        """Hand a message for one frontend to the socket thread (busy loop only: the outbox is its)."""
+        self.outbox.send_multipart([identity, encode(outputs)])
 
     # -- the I/O threads -------------------------------------------------------------------------
 
@@ -553,7 +557,7 @@ class EngineCoreProc(EngineCore):
 
     def _serve_socket(self, bound: threading.Event) -> None:
         """Own the ROUTER socket: decode, check and admit what frontends send; forward what the
-        output thread encoded; notice frontends that are gone."""
+        busy loop encoded; notice frontends that are gone."""
         try:
             router, monitor = self._make_router()
             outbox = self.ctx.socket(zmq.PULL)
@@ -665,14 +669,6 @@ class EngineCoreProc(EngineCore):
     def _answer_refused(self, router: zmq.Socket, identity: bytes, request_id: str, error_type: str,
                         error: str) -> None:
         self._send_to(router, identity, encode(EngineCoreOutputs(outputs=[refusal(request_id, error_type, error)])))
-
-    def _encode_outputs(self) -> None:
-        outbox = self.ctx.socket(zmq.PUSH)
-        outbox.connect(_OUTBOX)
-        while (item := self.output_queue.get()) is not None:
-            identity, outputs = item
-            outbox.send_multipart([identity, encode(outputs)])
-        outbox.close(linger=1000)
 
 
 _INPUT_QUEUE_SIZE = 1024  # messages decoded and not yet handled by the busy loop
