@@ -69,7 +69,7 @@ def test_verify_steps_replay_verify_graphs_and_equal_eager() -> None:
 
     contexts = [37, 20, 5]
     eager(make_step([0, 0, 0], contexts, block_table))  # their prompts into the cache
-    cases = [([4, 1, 3], ("verify", 4)), ([4], ("verify", 1)), ([2, 2], ("verify", 2)), ([5, 1, 1], ("mixed", 256))]
+    cases = [([4, 1, 3], ("verify", 4)), ([4], ("verify", 1)), ([2, 2], ("verify", 2)), ([5, 1, 1], ("mixed", 64))]
     for query_lens, expected_key in cases:
         step = make_step(contexts[: len(query_lens)], query_lens, block_table)
         assert graphs.bucket(step)[0] == expected_key
