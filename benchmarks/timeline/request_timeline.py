@@ -1,0 +1,127 @@
+"""Where a batch-1 request's time to first token goes, across the frontend, the EngineCore and
+the worker: a timeline of one request, as `bench latency` times it.
+
+    python3 benchmarks/timeline/request_timeline.py --model benchmarks/configs/qwen3-0.6b \
+        --load-format dummy --input-len 128 --num-iters 20
+
+Re-runs itself with this directory on PYTHONPATH, so that sitecustomize.py timestamps the entry and
+exit of the calls it names in every process (no change to minivllm itself); each iteration is one
+`generate` of max_tokens=1 after a prefix-cache reset. Then prints, per stage of the request's way
+(the first matching mark after the previous stage's), the median time it took, and the marks of the
+median iteration. The marks cost a few microseconds each, so the total reads a little above
+`bench latency`'s. (On the CPU no graph is launched: that stage is the forward itself.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import glob
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (stage, the mark that ends it), in the order a request meets them
+STAGES = [
+    ("frontend: generate() until the request is sent", "> EngineCoreClient._send"),
+    ("to the engine's socket thread", "> EngineCoreProc._receive_frames"),
+    ("decoded, checked, queued to the busy loop", "> EngineCoreProc._handle"),
+    ("scheduled", "< Scheduler.schedule"),
+    ("submitted to the worker", "< ZmqExecutor.submit"),
+    ("to the worker", "> ModelRunner.run_step"),
+    ("worker: batch updated, inputs prepared", "< InputBatch.prepare"),
+    ("worker: inputs copied, graph launched", "< run_forward"),
+    ("worker: logits and sampling launched", "< ModelRunner.run_step"),
+    ("worker: sampled token on the host", "< ModelRunner.finish_pending"),
+    ("to the engine", "< ZmqExecutor.receive_output"),
+    ("engine: outputs made", "> EngineCoreProc._send_outputs"),
+    ("to the socket thread, sent", "< EngineCoreProc._send_to"),
+    ("to the frontend", "> EngineCoreClient._on_message"),
+    ("frontend: output processed, generate() returns", "ITER"),
+]
+
+
+def run_iterations(args: argparse.Namespace) -> None:
+    """The timed loop (in the child, with the marks on)."""
+    from minivllm.frontend.llm import LLM
+    from minivllm.protocol.sampling_params import SamplingParams
+
+    mark = builtins.__timeline_mark__
+    with LLM(args.model, skip_tokenizer_init=True, load_format=args.load_format) as llm:
+        vocab = llm.engine_info.vocab_size
+        prompt = {"prompt_token_ids": [(i * 7919) % (vocab - 10) + 10 for i in range(args.input_len)]}
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        for i in range(args.num_iters):
+            llm.reset_prefix_cache()
+            mark(f"ITER {i} start")
+            llm.generate(prompt, first, use_tqdm=False)
+            mark(f"ITER {i} end")
+            time.sleep(args.idle_ms / 1000)
+
+
+def read_marks(trace_dir: str) -> list[tuple[float, str, str, str]]:
+    marks = []
+    for path in glob.glob(os.path.join(trace_dir, "trace-*.txt")):
+        with open(path) as f:
+            for line in f:
+                t, pid, thread, label = line.rstrip("\n").split(" ", 3)
+                marks.append((float(t), pid, thread, label))
+    return sorted(marks)
+
+
+def report(trace_dir: str) -> None:
+    marks = read_marks(trace_dir)
+    starts = [i for i, m in enumerate(marks) if m[3].startswith("ITER") and m[3].endswith("start")]
+    ends = [i for i, m in enumerate(marks) if m[3].startswith("ITER") and m[3].endswith("end")]
+    stage_us: dict[str, list[float]] = {name: [] for name, _ in STAGES}
+    totals = []
+    for s, e in zip(starts, ends):
+        prev, pos = marks[s][0], s + 1
+        for name, label in STAGES:
+            found = next((i for i in range(pos, e + 1) if marks[i][3].startswith(label)), None)
+            if found is None:  # a stage this run does not have (on the CPU no token is held back)
+                continue
+            stage_us[name].append((marks[found][0] - prev) * 1e6)
+            prev, pos = marks[found][0], found + 1
+        totals.append((marks[e][0] - marks[s][0], s, e))
+    print(f"{len(totals)} iterations: time to first token median {statistics.median(t for t, _, _ in totals) * 1e3:.3f} ms")
+    for name, _ in STAGES:
+        if stage_us[name]:
+            print(f"  {name:50s} {statistics.median(stage_us[name]):7.1f} us")
+    _, s, e = sorted(totals)[len(totals) // 2]
+    print("the median iteration (ms from its start, us since the mark before, pid, thread, mark):")
+    prev = t0 = marks[s][0]
+    for t, pid, thread, label in marks[s:e + 1]:
+        print(f"  {(t - t0) * 1e3:7.3f} +{(t - prev) * 1e6:7.1f}  {pid:>7s} {thread:>5s}  {label}")
+        prev = t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--num-iters", type=int, default=20)
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="pause between iterations")
+    parser.add_argument("--trace-dir", default=None, help="keep the raw marks here (default: a temporary directory)")
+    args = parser.parse_args()
+    if os.environ.get("TIMELINE_DIR"):  # the child: the marks are on
+        run_iterations(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = args.trace_dir or tmp
+        os.makedirs(trace_dir, exist_ok=True)
+        env = dict(os.environ, TIMELINE_DIR=trace_dir,
+                   PYTHONPATH=os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
+        subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env, check=True)
+        report(trace_dir)
+
+
+if __name__ == "__main__":
+    main()
