@@ -33,7 +33,6 @@ TARGETS = {
                                      "ModelRunner._run_model", "ModelRunner._update_states"],
     "minivllm.worker.input_batch": ["InputBatch.prepare"],
     "minivllm.worker.cuda_graphs": ["StepGraphs.run", "StepBuffers.load", "run_forward"],
-    "minivllm.worker.worker": [],
     "minivllm.protocol.ipc": [],  # exit_without_teardown: write the buffer out first
 }
 TIMELINE_DIR = os.environ.get("TIMELINE_DIR")
