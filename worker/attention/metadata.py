@@ -25,8 +25,9 @@ import torch
 from minivllm.worker.attention.kv_cache import KVCacheLayout, plain_layout
 
 
-# A decode step whose longest context is longer than this may take another path (split-KV, which
-# pays off only over long contexts): CUDA graphs capture small decode batches both ways.
+# A decode step whose longest context is longer than this may split its keys more ways (up to 16
+# against 8 below it, which only long contexts gain from): CUDA graphs capture small decode
+# batches both ways.
 DECODE_LONG_CONTEXT = 1024
 # Decode batches up to this many sequences get the long-context graphs too (larger ones fill the
 # GPU without splitting).

@@ -631,6 +631,8 @@ class DecodeConfig(NamedTuple):
 
 # Tuned on an H100 (benchmarks/tune_attention.py): the best shapes for a plain and an FP8 cache.
 DECODE = DecodeConfig()
+# Most splits for contexts of up to DECODE_LONG_CONTEXT keys (benchmarks/decode_splits.py).
+SHORT_CONTEXT_MAX_SPLITS = 8
 DECODE_FP8 = DecodeConfig(block_n=128, num_stages=2, maxnreg=128)
 
 
@@ -669,9 +671,13 @@ def decode_attention(
         config = DECODE_FP8 if layout.fp8 else DECODE
     if mixed:
         num_splits = 1
-    elif num_splits is None:  # short contexts lose more to the merge than they gain from more programs
-        num_splits = 1 if metadata.max_seq_len <= DECODE_LONG_CONTEXT else num_kv_splits(
-            num_seqs, num_kv_heads, _num_sms(query.device.index or 0), config.max_splits)
+    elif num_splits is None:
+        # A small batch splits its keys whatever their length: at batch 1 over 128-1,024 keys, 8
+        # splits take 5.3-8.0 us a layer against 6.0-24.8 for one (merge included; H100, in a
+        # graph). Beyond 8 only long contexts gain from more.
+        max_splits = config.max_splits if metadata.max_seq_len > DECODE_LONG_CONTEXT else \
+            min(config.max_splits, SHORT_CONTEXT_MAX_SPLITS)
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, _num_sms(query.device.index or 0), max_splits)
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_padded, dtype=torch.float32,
