@@ -74,18 +74,25 @@ def gumbel_max_sample(logits: torch.Tensor, rows: np.ndarray, temperature: np.nd
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
+    gumbel_max_sample_on_device(logits, to_device(rows.astype(np.int64)), to_device(temperature.astype(np.float32)),
+                                to_device(seeds.astype(np.int64)), out)
+
+
+def gumbel_max_sample_on_device(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+                                seeds: torch.Tensor, out: torch.Tensor) -> None:
+    """gumbel_max_sample with its per-row arguments already on the device (int64 rows and seeds,
+    float32 temperatures): no host work but the two launches, so a CUDA graph can hold it."""
     vocab_size = logits.shape[1]
     num_chunks = triton.cdiv(vocab_size, _CHUNK)
-    chunk_scores = torch.empty(len(rows), num_chunks, device=device, dtype=torch.float32)
-    chunk_indices = torch.empty(len(rows), num_chunks, device=device, dtype=torch.int64)
-    rows_on_device = to_device(rows.astype(np.int64))
-    _gumbel_max_chunk_kernel[(len(rows), num_chunks)](
-        logits, logits.stride(0), rows_on_device, to_device(temperature.astype(np.float32)),
-        to_device(seeds.astype(np.int64)), chunk_scores, chunk_indices, vocab_size, num_chunks,
+    num_rows = rows.shape[0]
+    chunk_scores = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.float32)
+    chunk_indices = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.int64)
+    _gumbel_max_chunk_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), rows, temperature, seeds, chunk_scores, chunk_indices, vocab_size, num_chunks,
         CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
     )
-    _best_chunk_kernel[(len(rows),)](chunk_scores, chunk_indices, rows_on_device, out, num_chunks,
-                                     CHUNKS=triton.next_power_of_2(num_chunks))
+    _best_chunk_kernel[(num_rows,)](chunk_scores, chunk_indices, rows, out, num_chunks,
+                                    CHUNKS=triton.next_power_of_2(num_chunks))
 
 
 def row_seeds(request_seeds: np.ndarray, num_tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -43,6 +43,10 @@ class StepInputs:
     # by request (logits_indices holds each request's last one, after its last draft).
     num_draft_tokens: np.ndarray | None = None
     spec_logits_indices: np.ndarray | None = None
+    # A decode step that samples in a CUDA graph (worker/cuda_graphs.py): its rows' temperatures
+    # and Philox seeds, which go to the device with its other inputs.
+    sample_temperature: np.ndarray | None = None
+    sample_seeds: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -202,7 +202,7 @@ class ModelRunner:
             max_seq_len=int(query_lens.max()),
         )
         metadata = self.buffers.load(step)
-        inputs = (self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens], scratch_caches, metadata)
+        inputs = (*self.buffers.forward_inputs, scratch_caches, metadata)
         hidden = self.model(*inputs) if self.stage is None else self.stage.profile_forward(self.model, *inputs)
         logits = None
         if hidden is not None:  # not on a pipeline stage before the last
@@ -238,10 +238,14 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             with torch.inference_mode():
                 spec = self.config.speculative_config
+                # Sampling graphs: one process samples alone (not with speculative decoding, whose
+                # verify steps sample drafts, nor on pipeline stages or tensor-parallel ranks).
+                sample = self._graph_sample if spec is None and self.stage is None and \
+                    self.config.tensor_parallel_size == 1 else None
                 self.graphs = StepGraphs(
                     self._forward, self.buffers, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                     self.config.max_model_len, verify_query_len=spec.num_speculative_tokens + 1 if spec else 0,
-                    max_verify_seqs=spec.max_speculating_batch if spec else 0)
+                    max_verify_seqs=spec.max_speculating_batch if spec else 0, sample=sample)
 
     # ------------------------------------------------------------ one step
 
@@ -253,6 +257,27 @@ class ModelRunner:
             intermediate = self.stage.intermediate(input_ids.shape[0])
             return self.model(input_ids, positions, self.kv_caches, metadata, intermediate)
         return self.model(input_ids, positions, self.kv_caches, metadata)
+
+    def _graph_sample(self, hidden_states: torch.Tensor) -> None:
+        """What a sampling graph captures: the LM head over every row of a decode bucket, then the
+        fused sampler, its per-row inputs and its output in the step buffers."""
+        from minivllm.worker.fused_sampling import gumbel_max_sample_on_device
+
+        n, b = hidden_states.shape[0], self.buffers
+        views = b.views(n, n)  # a decode bucket's layout: n tokens of n sequences
+        gumbel_max_sample_on_device(self.model.compute_logits(hidden_states), b.sample_rows[:n], views.temperature,
+                                    views.sample_seeds, b.sampled)
+
+    def _samples_in_graph(self, step: StepInputs) -> bool:
+        """Whether a step can sample in a graph: a decode bucket's step whose every token samples,
+        each plainly (greedy or temperature alone, no logits processors, no logprobs)."""
+        if self.graphs is None or not self.graphs.sample_graphs or step.max_query_len != 1 \
+                or len(step.sampling_rows) != len(step.req_ids) or not self.graphs.can_sample(step):
+            return False
+        batch, rows = self.input_batch, step.sampling_rows
+        filtered = (batch.temperature[rows] > 0.0) & ((batch.top_k[rows] > 0) | (batch.top_p[rows] < 1.0)
+                                                      | (batch.min_p[rows] > 0.0))
+        return not (filtered.any() or batch.processes_logits[rows].any() or (batch.num_logprobs[rows] >= 0).any())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return its output (nothing held back)."""
@@ -270,7 +295,12 @@ class ModelRunner:
 
         step = self.input_batch.prepare(scheduler_output.num_scheduled_tokens,
                                         scheduler_output.scheduled_spec_decode_tokens)
-        hidden_states = self._run_model(step)
+        batch, rows = self.input_batch, step.sampling_rows
+        sample_in_graph = self._samples_in_graph(step)
+        if sample_in_graph:  # the sampling graph's inputs travel with the step's
+            step.sample_temperature = batch.temperature[rows]
+            step.sample_seeds = self.row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
+        hidden_states = self._run_model(step, sample=sample_in_graph)
         if hidden_states is None:  # a pipeline stage before the last: its activations went on
             return [_NO_OUTPUT]
         if self.spec_decoder is not None:
@@ -284,21 +314,10 @@ class ModelRunner:
             return [*outputs, self.spec_decoder.sample(self, hidden_states, step, prompt_logprobs,
                                                        scheduler_output.propose_drafts)]
 
-        logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
-        batch, rows = self.input_batch, step.sampling_rows
-        raw_logits = self.model.compute_logits(hidden_states[logits_indices])
-        logits = apply_logits_processors(raw_logits, batch, rows)
-        generators = [batch.generators[r] for r in rows]
-        reseed_generators(generators, batch.seed[rows], batch.num_tokens[rows])
-        if self.device.type == "cuda":
-            seeds = self.row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
-            sampled_ids = self.sampler.sample_rows(logits, batch.temperature[rows], batch.top_k[rows],
-                                                   batch.top_p[rows], generators, seeds, batch.min_p[rows])
+        if sample_in_graph:  # sampled already, by the graph behind the forward's
+            sampled_ids, logprobs = self.buffers.sampled[: len(rows)], None
         else:
-            sampled_ids = self.sampler(logits, SamplingMetadata.from_arrays(
-                batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], generators, self.device,
-                batch.min_p[rows]))
-        logprobs = sampled_logprobs(raw_logits, sampled_ids, batch.num_logprobs[rows])
+            sampled_ids, logprobs = self._sample(hidden_states, step)
         sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
         # (Logprobs were brought to the host already: holding the tokens back would gain nothing.)
         if self.overlap_outputs and logprobs is None and not prompt_logprobs:
@@ -317,6 +336,26 @@ class ModelRunner:
             req_ids=sampled_req_ids, sampled_token_ids=sampled, logprobs=logprobs,
             # A prompt's logprobs are finished exactly in the step that samples its first token.
             prompt_logprobs=[prompt_logprobs.get(r) for r in sampled_req_ids] if prompt_logprobs else None)]
+
+    def _sample(self, hidden_states: torch.Tensor, step: StepInputs,
+                ) -> tuple[torch.Tensor, list | None]:
+        """The step's sampled ids (one per sampling row, in order) and their logprobs (None when
+        no row asked), from its hidden states."""
+        logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
+        batch, rows = self.input_batch, step.sampling_rows
+        raw_logits = self.model.compute_logits(hidden_states[logits_indices])
+        logits = apply_logits_processors(raw_logits, batch, rows)
+        generators = [batch.generators[r] for r in rows]
+        reseed_generators(generators, batch.seed[rows], batch.num_tokens[rows])
+        if self.device.type == "cuda":
+            seeds = self.row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
+            sampled_ids = self.sampler.sample_rows(logits, batch.temperature[rows], batch.top_k[rows],
+                                                   batch.top_p[rows], generators, seeds, batch.min_p[rows])
+        else:
+            sampled_ids = self.sampler(logits, SamplingMetadata.from_arrays(
+                batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], generators, self.device,
+                batch.min_p[rows]))
+        return sampled_ids, sampled_logprobs(raw_logits, sampled_ids, batch.num_logprobs[rows])
 
     def has_pending(self) -> bool:
         return self.pending is not None
@@ -338,22 +377,22 @@ class ModelRunner:
         self.input_batch.resolve_pending(pending.rows, sampled)
         return [ModelRunnerOutput(req_ids=pending.req_ids, sampled_token_ids=sampled)]
 
-    def _patch_pending_inputs(self, step: StepInputs, input_ids: torch.Tensor) -> None:
-        """Input ids the host does not have yet come from the previous step's sampled ids."""
-        if step.pending_token_index is None or not len(step.pending_token_index):
+    def _patch_pending_inputs(self, input_ids: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+        """Input ids the host does not have yet (at `index`) come from the previous step's sampled
+        ids (at `source`), still on the device."""
+        if not len(index):
             return
         assert self.pending is not None, "a pending input token without a pending step"
-        index = torch.from_numpy(step.pending_token_index).to(self.device, non_blocking=True)
-        source = torch.from_numpy(step.pending_source).to(self.device, non_blocking=True)
         input_ids[index] = self.pending.sampled[source]
 
-    def _run_model(self, step: StepInputs) -> torch.Tensor | None:
-        """One forward pass: a captured graph when one fits the step, else eager. None on a
-        pipeline stage before the last (its activations went on to the next stage)."""
+    def _run_model(self, step: StepInputs, sample: bool = False) -> torch.Tensor | None:
+        """One forward pass: a captured graph when one fits the step, else eager (`sample`: and
+        the sampling graph behind it). None on a pipeline stage before the last (its activations
+        went on to the next stage)."""
         if self.stage is not None:
             self.stage.receive(step.num_tokens)
         out = run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout,
-                          patch_input_ids=lambda input_ids: self._patch_pending_inputs(step, input_ids))
+                          patch_input_ids=self._patch_pending_inputs, sample=sample)
         return out if self.stage is None else self.stage.finish(out)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -65,7 +65,7 @@ def test_verify_steps_replay_verify_graphs_and_equal_eager() -> None:
 
     def eager(step: StepInputs) -> torch.Tensor:
         metadata = buffers.load(step)
-        return forward(buffers.input_ids[: step.num_tokens], buffers.positions[: step.num_tokens], metadata).clone()
+        return forward(*buffers.forward_inputs, metadata).clone()
 
     contexts = [37, 20, 5]
     eager(make_step([0, 0, 0], contexts, block_table))  # their prompts into the cache
@@ -101,7 +101,7 @@ def test_large_decode_batches_replay_graphs_and_equal_eager() -> None:
         step = make_step(rng.integers(0, MAX_BLOCKS * BLOCK - 1, batch).tolist(), [1] * batch, block_table)
         assert graphs.bucket(step)[0] == ("decode", num_seqs)
         metadata = buffers.load(step)
-        expected = forward(buffers.input_ids[:batch], buffers.positions[:batch], metadata).clone()
+        expected = forward(*buffers.forward_inputs, metadata).clone()
         replayed = graphs.run(step)
         torch.testing.assert_close(replayed, expected)
     del junk

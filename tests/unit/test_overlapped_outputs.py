@@ -80,9 +80,9 @@ def test_overlapped_outputs_equal_synchronous_steps(tiny_llama, monkeypatch, num
         assert runner.overlap_outputs is overlap
         original = runner._patch_pending_inputs
 
-        def spy(step, input_ids, original=original):
-            patched.append(overlap and step.pending_token_index is not None and len(step.pending_token_index) > 0)
-            original(step, input_ids)
+        def spy(input_ids, index, source, original=original):
+            patched.append(overlap and len(index) > 0)
+            original(input_ids, index, source)
 
         runner._patch_pending_inputs = spy
         scheduler = Scheduler(config, num_gpu_blocks)

@@ -20,7 +20,7 @@ the catch-up taking its input ids still on the device from there, as the target'
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -29,7 +29,7 @@ import torch
 from minivllm.protocol.config import EngineConfig
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
-from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs, run_forward
+from minivllm.worker.cuda_graphs import PatchInputIds, StepBuffers, StepGraphs, run_forward
 from minivllm.worker.input_batch import StepInputs
 from minivllm.worker.models.loader import describe, load_model
 
@@ -59,7 +59,7 @@ class DraftModelRunner:
         self.config = config
         self.buffers: StepBuffers | None = None  # CUDA: persistent inputs of its own (its own KV layout)
         if runner.buffers is not None:
-            self.buffers = StepBuffers(len(runner.buffers.input_ids), config.max_num_seqs,
+            self.buffers = StepBuffers(runner.buffers.max_tokens, config.max_num_seqs,
                                        runner.input_batch.max_blocks_per_req, self.device)
             self.buffers.kv_layout = self.kv_layout
         self.graphs: StepGraphs | None = None
@@ -80,7 +80,7 @@ class DraftModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    def _run(self, step: StepInputs, patch_input_ids: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def _run(self, step: StepInputs, patch_input_ids: PatchInputIds | None) -> torch.Tensor:
         """The draft model's hidden states over a step (see run_forward for patch_input_ids)."""
         return run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout, patch_input_ids)
 
@@ -89,7 +89,7 @@ class DraftModelRunner:
         """Run this step's tokens through the draft model too (only its KV is kept). Input ids the
         host does not have yet (overlapped outputs) come from the device, as for the target."""
         if self.kv_caches:
-            self._run(step, lambda input_ids: self.runner._patch_pending_inputs(step, input_ids))
+            self._run(step, self.runner._patch_pending_inputs)
 
     @torch.inference_mode()
     def propose(self, step: StepInputs, rows: np.ndarray) -> list[list[int]]:
@@ -126,7 +126,7 @@ class DraftModelRunner:
                 block_table=batch.block_table[active_rows, :num_columns], logits_indices=np.arange(len(active)),
                 sampling_req_index=np.arange(len(active)), sampling_rows=active_rows, max_query_len=1,
                 max_seq_len=int(seq_lens.max()))
-            hidden = self._run(step, lambda input_ids, drafts=last_tokens: input_ids.copy_(drafts))
+            hidden = self._run(step, lambda input_ids, _index, _source, drafts=last_tokens: input_ids.copy_(drafts))
             last_tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             steps.append((active, last_tokens))
         if steps:

@@ -1,0 +1,95 @@
+"""StepBuffers (worker/step_buffers.py): a step's inputs, packed into one buffer in one copy, land
+where its layout's views read them, padded as a CUDA graph's bucket needs; the pending-input
+arrays ride along. Runs on the CPU (the same code, unpinned, with no events)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minivllm.worker.input_batch import StepInputs
+from minivllm.worker.step_buffers import StepBuffers, StepLayout
+
+MAX_BLOCKS = 6
+
+
+def step_of(query_lens: list[int], contexts: list[int], pending: tuple[list[int], list[int]] | None = None,
+            sampling: bool = False) -> StepInputs:
+    n = len(query_lens)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+    num_tokens = int(query_start_loc[-1])
+    token_req = np.repeat(np.arange(n), query_lens)
+    positions = np.arange(num_tokens) - query_start_loc[token_req] + np.asarray(contexts)[token_req]
+    seq_lens = np.asarray(contexts) + np.asarray(query_lens)
+    step = StepInputs(
+        req_ids=[str(i) for i in range(n)], input_ids=np.arange(100, 100 + num_tokens), positions=positions,
+        slot_mapping=np.arange(num_tokens) + 1000, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        block_table=np.arange(n * 3, dtype=np.int32).reshape(n, 3) + 7, logits_indices=query_start_loc[1:] - 1,
+        sampling_req_index=np.arange(n), sampling_rows=np.arange(n), max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        pending_token_index=None if pending is None else np.asarray(pending[0]),
+        pending_source=None if pending is None else np.asarray(pending[1]))
+    if sampling:
+        step.sample_temperature = np.linspace(0.0, 1.0, n).astype(np.float32)
+        step.sample_seeds = np.arange(n, dtype=np.int64) * 11
+    return step
+
+
+def test_layout_offsets_are_aligned_and_disjoint() -> None:
+    for tokens, seqs in [(1, 1), (3, 3), (64, 9), (8192, 257), (7, 2)]:
+        fields = StepLayout(tokens, seqs).fields
+        spans = sorted((offset, offset + count * dtype.itemsize) for offset, count, dtype in fields.values())
+        assert all(offset % 8 == 0 for offset, _ in spans)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert StepLayout(tokens, seqs).nbytes >= spans[-1][1]
+
+
+def test_an_eager_step_lands_unpadded() -> None:
+    buffers = StepBuffers(64, 4, MAX_BLOCKS, torch.device("cpu"))
+    step = step_of([3, 1, 2], [0, 5, 9], pending=([3], [0]))
+    metadata = buffers.load(step)
+    input_ids, positions = buffers.forward_inputs
+    assert input_ids.tolist() == step.input_ids.tolist() and positions.tolist() == step.positions.tolist()
+    assert metadata.slot_mapping.tolist() == step.slot_mapping.tolist()
+    assert metadata.query_start_loc.tolist() == step.query_start_loc.tolist()
+    assert metadata.seq_lens.tolist() == step.seq_lens.tolist()
+    assert metadata.num_active_seqs.tolist() == [3]
+    assert metadata.block_tables[:, :3].tolist() == step.block_table.tolist()
+    assert buffers.pending_index.tolist() == [3] and buffers.pending_source.tolist() == [0]
+
+
+def test_a_decode_step_padded_to_its_bucket_gives_each_padding_row_a_sequence() -> None:
+    buffers = StepBuffers(64, 8, MAX_BLOCKS, torch.device("cpu"))
+    step = step_of([1, 1, 1], [4, 8, 2], pending=([0, 2], [1, 0]), sampling=True)
+    metadata = buffers.load(step, padded_tokens=4, padded_seqs=4)
+    input_ids, positions = buffers.forward_inputs
+    assert input_ids.tolist() == [100, 101, 102, 0] and positions.tolist() == [4, 8, 2, 0]
+    assert metadata.slot_mapping.tolist() == [1000, 1001, 1002, -1]
+    assert metadata.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert metadata.seq_lens.tolist() == [5, 9, 3, 0]
+    assert metadata.num_active_seqs.tolist() == [4]
+    views = buffers.views(4, 4)
+    assert views.temperature[:3].tolist() == [0.0, 0.5, 1.0] and views.sample_seeds[:3].tolist() == [0, 11, 22]
+    assert buffers.pending_index.tolist() == [0, 2] and buffers.pending_source.tolist() == [1, 0]
+
+
+def test_a_mixed_step_puts_its_padding_tokens_in_one_sequence_after_its_own() -> None:
+    buffers = StepBuffers(64, 4, MAX_BLOCKS, torch.device("cpu"))
+    step = step_of([5, 1], [0, 3])
+    metadata = buffers.load(step, padded_tokens=16, padded_seqs=5)
+    assert metadata.query_start_loc.tolist() == [0, 5, 6, 16, 16, 16]
+    assert metadata.seq_lens.tolist() == [5, 4, 0, 0, 0]
+    assert metadata.num_active_seqs.tolist() == [3]
+    assert metadata.slot_mapping.tolist() == list(range(1000, 1006)) + [-1] * 10
+    assert len(buffers.pending_index) == 0
+
+
+def test_loads_of_different_layouts_in_turn_each_read_what_they_wrote() -> None:
+    """Layouts of different sizes overlap in the buffer (a graph's replay always follows its own
+    load); around the ring of host buffers, every load's views read back what it wrote."""
+    buffers = StepBuffers(64, 8, MAX_BLOCKS, torch.device("cpu"))
+    for i in range(5):
+        buffers.load(step_of([1, 1], [3 + i, 4]), padded_tokens=2, padded_seqs=2)
+        assert buffers.views(2, 2).positions.tolist() == [3 + i, 4]
+        buffers.load(step_of([2, 1, 1], [i, 1, 2]))
+        assert buffers.forward_inputs[1].tolist() == [i, i + 1, 1, 2]
