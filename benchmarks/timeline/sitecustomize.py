@@ -32,7 +32,8 @@ TARGETS = {
     "minivllm.worker.model_runner": ["ModelRunner.run_step", "ModelRunner.finish_pending",
                                      "ModelRunner._run_model", "ModelRunner._update_states"],
     "minivllm.worker.input_batch": ["InputBatch.prepare"],
-    "minivllm.worker.cuda_graphs": ["StepGraphs.run", "StepBuffers.load", "run_forward"],
+    "minivllm.worker.cuda_graphs": ["StepGraphs.run", "run_forward"],
+    "minivllm.worker.step_buffers": ["StepBuffers.load"],
     "minivllm.protocol.ipc": [],  # exit_without_teardown: write the buffer out first
 }
 TIMELINE_DIR = os.environ.get("TIMELINE_DIR")
