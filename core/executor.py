@@ -4,6 +4,8 @@ Two ways to start and place the workers share one transport (ZmqExecutor):
   - MpExecutor (distributed_executor_backend="mp", the default): local child processes.
   - RayExecutor (core/ray_executor.py, "ray"): Ray actors placed by a placement group, possibly
     on other nodes. Ray only places and watches them; the steps still travel over ZMQ.
+A third has no transport: UniProcExecutor (core/uniproc_executor.py, "uni") runs the one worker of
+a single-device model inside the EngineCore process.
 
 Each worker gets its own PUSH socket for work (a SchedulerOutput is sent to every worker), and all
 workers answer on one shared PULL socket. Only one rank returns sampled tokens: rank 0, or with
@@ -27,7 +29,7 @@ import logging
 import secrets
 import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -37,6 +39,9 @@ from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
 from minivllm.protocol.serial import encode, worker_output_decoder
+
+if TYPE_CHECKING:
+    from minivllm.core.uniproc_executor import UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +56,16 @@ class WorkerHungError(WorkerDiedError):
     """The step watchdog fired: the workers did not answer a step in time."""
 
 
-def make_executor(config: EngineConfig) -> "ZmqExecutor":
+def make_executor(config: EngineConfig) -> "ZmqExecutor | UniProcExecutor":
     """The executor config.distributed_executor_backend names."""
     if config.distributed_executor_backend == "ray":
         from minivllm.core.ray_executor import RayExecutor  # imports ray: only when asked for
 
         return RayExecutor(config)
+    if config.distributed_executor_backend == "uni":
+        from minivllm.core.uniproc_executor import UniProcExecutor  # imports torch: only when asked for
+
+        return UniProcExecutor(config)
     return MpExecutor(config)
 
 

@@ -76,7 +76,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     d = parser.add_argument_group("distributed")
     d.add_argument("--distributed-executor-backend", default="mp", choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
-                   help="mp: worker processes on this machine; ray: Ray actors (joins a running cluster)")
+                   help="mp: worker processes on this machine; ray: Ray actors (joins a running cluster); uni: "
+                        "the model inside the engine process (one device)")
     d.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (each with its own tensor-parallel group) behind one frontend")
     d.add_argument("--pipeline-parallel-size", type=int, default=1,

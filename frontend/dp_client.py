@@ -14,8 +14,8 @@ STATS_REFRESH_S while requests are sent or awaited. A waiting request weighs mor
 one (it says the core is full), and requests sent since the last answer count as waiting, so a
 burst between two answers still spreads; ties go to the core with the emptier KV cache.
 
-Placement: with distributed_executor_backend="mp" the cores are local processes, and on CUDA each
-gets its own tensor_parallel_size devices (CUDA_VISIBLE_DEVICES slices). With "ray" the cores are
+Placement: with distributed_executor_backend="mp" (or "uni") the cores are local processes, and
+on CUDA each gets its own tensor_parallel_size devices (CUDA_VISIBLE_DEVICES slices). With "ray" the cores are
 local processes too, and each places its workers through Ray (its own placement group); when no
 cluster is running the frontend starts one, so that all cores share it.
 
@@ -137,10 +137,10 @@ class _Core(EngineCoreClient):
 
 
 def core_environments(config: EngineConfig) -> list[dict[str, str]]:
-    """Each core's environment: under mp on CUDA, its own slice of the visible devices."""
+    """Each core's environment: under mp or uni on CUDA, its own slice of the visible devices."""
     n, tp = config.data_parallel_size, config.tensor_parallel_size
     envs = [dict(os.environ) for _ in range(n)]
-    if config.distributed_executor_backend == "mp":
+    if config.distributed_executor_backend in ("mp", "uni"):
         from minivllm.protocol.config import runs_on_cuda
 
         if runs_on_cuda(config.device):

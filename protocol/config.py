@@ -30,8 +30,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # What a preempted request's KV becomes: recomputed later, or swapped to host memory and back
 # (needs kv_offloading_size). None: recompute (vLLM's default).
 PREEMPTION_MODES = ("recompute", "swap")
-# How worker processes are started and placed: mp (local processes) or ray (actors).
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# How workers are started and placed: mp (local processes), ray (actors), or uni (one worker
+# inside the EngineCore process; one device only).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 # KV connector roles (vLLM's KVTransferConfig.kv_role).
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Speculative decoding proposers (vLLM's speculative_config["method"]).
@@ -204,6 +205,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
         _check_distributed(distributed_executor_backend, data_parallel_size, tensor_parallel_size, device)
         _check_at_least("pipeline_parallel_size", pipeline_parallel_size, 1)
+        if distributed_executor_backend == "uni" and tensor_parallel_size * pipeline_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs the model inside the engine process, on one device; "
+                f"tensor_parallel_size={tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} "
+                f"needs a worker per device: use 'mp' or 'ray'.")
         speculative_config = _check_speculative(speculative_config, model, tensor_parallel_size, pipeline_parallel_size,
                                                  kv_transfer_config)
 
@@ -340,8 +346,9 @@ def _host_memory_gib() -> float | None:
 def _check_distributed(distributed_executor_backend: str, data_parallel_size: int, tensor_parallel_size: int = 1,
                        device: str = "auto") -> None:
     """mp: every engine core and worker on this host (on CUDA, data_parallel_size x
-    tensor_parallel_size devices). ray: Ray places the workers, so the devices are counted in the
-    cluster when the placement group is made, not here; Ray must be installed."""
+    tensor_parallel_size devices); uni: the same, each engine core its own worker. ray: Ray places
+    the workers, so the devices are counted in the cluster when the placement group is made, not
+    here; Ray must be installed."""
     _check_choice("distributed_executor_backend", distributed_executor_backend, DISTRIBUTED_EXECUTOR_BACKENDS)
     _check_at_least("data_parallel_size", data_parallel_size, 1)
     if distributed_executor_backend == "ray":

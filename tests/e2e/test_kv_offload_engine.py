@@ -70,8 +70,9 @@ def generate_twice(llm: LLM, priority=None) -> tuple[list[list[int]], list[list[
         pytest.param(dict(preemption_mode="swap", scheduling_policy="priority"), marks=pytest.mark.slow),
         pytest.param(dict(preemption_mode="swap", async_scheduling=False), marks=pytest.mark.slow),
         pytest.param(dict(preemption_mode="swap", enable_prefix_caching=False), marks=pytest.mark.slow),
+        dict(preemption_mode="swap", distributed_executor_backend="uni"),  # the connector's both sides in one process
     ],
-    ids=["offload", "swap", "swap-v0", "swap-priority", "swap-sync", "swap-no-prefix-caching"],
+    ids=["offload", "swap", "swap-v0", "swap-priority", "swap-sync", "swap-no-prefix-caching", "swap-uni"],
 )
 def test_greedy_outputs_identical_with_the_tier_under_preemption_and_churn(engines, reference, settings) -> None:
     priority = [i % 3 for i in range(len(PROMPTS))] if settings.get("scheduling_policy") == "priority" else None

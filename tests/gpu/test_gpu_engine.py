@@ -38,6 +38,12 @@ def test_cuda_graphs_equal_eager_bf16(tiny_model_factory) -> None:
     assert generate(model_dir, device="cuda") == generate(model_dir, device="cuda", enforce_eager=True)
 
 
+def test_worker_in_the_engine_process_equals_worker_processes(tiny_model_factory) -> None:
+    """distributed_executor_backend="uni": the same CUDA graphs and steps in flight, no sockets."""
+    model_dir = tiny_model_factory("qwen3")
+    assert generate(model_dir, device="cuda", distributed_executor_backend="uni") == generate(model_dir, device="cuda")
+
+
 def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
     """bf16 rounds differently in any two implementations (and in one, for different batch shapes),
     so the check is on logprobs: the first step's logprobs are within BF16_LOGPROB_TOLERANCE of HF's
