@@ -26,19 +26,19 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# (stage, the mark that ends it), in the order a request meets them
+# (stage, the mark that ends it: or one of several, by executor), in the order a request meets them
 STAGES = [
     ("frontend: generate() until the request is sent", "> EngineCoreClient._send"),
     ("to the engine's socket thread", "> EngineCoreProc._receive_frames"),
     ("decoded, checked, queued to the busy loop", "> EngineCoreProc._handle"),
     ("scheduled", "< Scheduler.schedule"),
-    ("submitted to the worker", "< ZmqExecutor.submit"),
+    ("submitted to the worker", "< ZmqExecutor.submit"),  # (none with the worker in the engine: "uni")
     ("to the worker", "> ModelRunner.run_step"),
     ("worker: batch updated, inputs prepared", "< InputBatch.prepare"),
     ("worker: inputs copied, graph launched", "< run_forward"),
     ("worker: logits and sampling launched", "< ModelRunner.run_step"),
     ("worker: sampled token on the host", "< ModelRunner.finish_pending"),
-    ("to the engine", "< ZmqExecutor.receive_output"),
+    ("to the engine", ("< ZmqExecutor.receive_output", "< UniProcExecutor.receive_output")),
     ("engine: outputs made", "> EngineCoreProc._send_outputs"),
     ("to the socket thread, sent", "< EngineCoreProc._send_to"),
     ("to the frontend", "> EngineCoreClient._on_message"),
@@ -52,7 +52,8 @@ def run_iterations(args: argparse.Namespace) -> None:
     from minivllm.protocol.sampling_params import SamplingParams
 
     mark = builtins.__timeline_mark__
-    with LLM(args.model, skip_tokenizer_init=True, load_format=args.load_format) as llm:
+    with LLM(args.model, skip_tokenizer_init=True, load_format=args.load_format,
+             distributed_executor_backend=args.distributed_executor_backend) as llm:
         vocab = llm.engine_info.vocab_size
         prompt = {"prompt_token_ids": [(i * 7919) % (vocab - 10) + 10 for i in range(args.input_len)]}
         first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--num-iters", type=int, default=20)
     parser.add_argument("--idle-ms", type=float, default=0.0, help="pause between iterations")
+    parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "uni"],
+                        help="uni: the worker inside the EngineCore process")
     parser.add_argument("--trace-dir", default=None, help="keep the raw marks here (default: a temporary directory)")
     args = parser.parse_args()
     if os.environ.get("TIMELINE_DIR"):  # the child: the marks are on

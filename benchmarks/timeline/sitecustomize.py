@@ -29,6 +29,7 @@ TARGETS = {
                                   "EngineCore.step_async", "EngineCoreProc._process_input"],
     "minivllm.core.scheduler": ["Scheduler.schedule", "Scheduler.update_from_output"],
     "minivllm.core.executor": ["ZmqExecutor.submit", "ZmqExecutor.receive_output"],
+    "minivllm.core.uniproc_executor": ["UniProcExecutor.submit", "UniProcExecutor.receive_output"],
     "minivllm.worker.model_runner": ["ModelRunner.run_step", "ModelRunner.finish_pending",
                                      "ModelRunner._run_model", "ModelRunner._update_states"],
     "minivllm.worker.input_batch": ["InputBatch.prepare"],
