@@ -40,8 +40,10 @@ STAGES = [
     ("worker: sampled token on the host", "< ModelRunner.finish_pending"),
     ("to the engine", ("< ZmqExecutor.receive_output", "< UniProcExecutor.receive_output")),
     ("engine: outputs made", "> EngineCoreProc._send_outputs"),
-    ("to the socket thread, sent", "< EngineCoreProc._send_to"),
-    ("to the frontend", "> EngineCoreClient._on_message"),
+    # (Where the socket thread starts sending, not where it is done: on a busy host the frontend can
+    # receive, finish and mark its iteration's end before the sender is scheduled to mark its own.)
+    ("to the socket thread", "> EngineCoreProc._send_to"),
+    ("sent, to the frontend", "> EngineCoreClient._on_message"),
     ("frontend: output processed, generate() returns", "ITER"),
 ]
 
@@ -84,12 +86,23 @@ def report(trace_dir: str) -> None:
     totals = []
     for s, e in zip(starts, ends):
         prev, pos = marks[s][0], s + 1
-        for name, label in STAGES:
-            found = next((i for i in range(pos, e + 1) if marks[i][3].startswith(label)), None)
+
+        def find(label, start: int) -> int | None:
+            return next((i for i in range(start, e + 1) if marks[i][3].startswith(label)), None)
+
+        for k, (name, label) in enumerate(STAGES):
+            found = find(label, pos)
             if found is None:  # a stage this run does not have (on the CPU no token is held back)
                 continue
-            stage_us[name].append((marks[found][0] - prev) * 1e6)
-            prev, pos = marks[found][0], found + 1
+            end, end_pos = marks[found][0], found + 1
+            following = find(STAGES[k + 1][1], pos) if k + 1 < len(STAGES) else None
+            if following is not None and following < found and marks[following][1] != marks[found][1]:
+                # A sender marks its exit after its send returns; on a busy host the receiver (in
+                # another process) can run and mark first. The stage ended no later than the
+                # receiver began: the next stage gets 0 in this iteration.
+                end, end_pos = marks[following][0], following
+            stage_us[name].append((end - prev) * 1e6)
+            prev, pos = end, end_pos
         totals.append((marks[e][0] - marks[s][0], s, e))
     print(f"{len(totals)} iterations: time to first token median {statistics.median(t for t, _, _ in totals) * 1e3:.3f} ms")
     for name, _ in STAGES:
