@@ -40,9 +40,7 @@ class UniProcExecutor:
     hung = False  # (the step watchdog's flag in the ZMQ executors)
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size * config.pipeline_parallel_size != 1:
-            raise ValueError("distributed_executor_backend='uni' runs one worker: tensor_parallel_size and "
-                             "pipeline_parallel_size must be 1")
+        # (EngineConfig.create refuses 'uni' with more than one device.)
         from minivllm.worker.worker import Worker, WorkerStepTimer  # imports torch: only this backend's engine
 
         self.worker = Worker(config, rank=0)

@@ -15,9 +15,9 @@ one (it says the core is full), and requests sent since the last answer count as
 burst between two answers still spreads; ties go to the core with the emptier KV cache.
 
 Placement: with distributed_executor_backend="mp" (or "uni") the cores are local processes, and
-on CUDA each gets its own tensor_parallel_size devices (CUDA_VISIBLE_DEVICES slices). With "ray" the cores are
-local processes too, and each places its workers through Ray (its own placement group); when no
-cluster is running the frontend starts one, so that all cores share it.
+on CUDA each gets its own tensor_parallel_size devices (CUDA_VISIBLE_DEVICES slices). With "ray"
+the cores are local processes too, and each places its workers through Ray (its own placement
+group); when no cluster is running the frontend starts one, so that all cores share it.
 
 A core that dies makes the whole engine dead (EngineDeadError), as with one core.
 """

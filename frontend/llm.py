@@ -26,7 +26,6 @@ from minivllm.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-
 class _NoProgressBar:
     """What _run updates when no progress bar is shown."""
 
@@ -38,6 +37,7 @@ class _NoProgressBar:
 
     def update(self, n: int = 1) -> None:
         pass
+
 
 class LLM:
     """A language model ready to generate.

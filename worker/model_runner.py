@@ -40,7 +40,7 @@ from minivllm.worker.logprobs import sampled_logprobs
 from minivllm.worker.models.loader import describe, load_model
 from minivllm.worker.pipeline import apply_new_token_ids, make_pipeline_stage
 from minivllm.worker.prompt_logprobs import gather_prompt_logprobs
-from minivllm.worker.sampler import Sampler, SamplingMetadata, reseed_generators
+from minivllm.worker.sampler import Sampler, SamplingMetadata, filtered_rows, reseed_generators
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +275,7 @@ class ModelRunner:
                 or len(step.sampling_rows) != len(step.req_ids) or not self.graphs.can_sample(step):
             return False
         batch, rows = self.input_batch, step.sampling_rows
-        filtered = (batch.temperature[rows] > 0.0) & ((batch.top_k[rows] > 0) | (batch.top_p[rows] < 1.0)
-                                                      | (batch.min_p[rows] > 0.0))
+        filtered = filtered_rows(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
         return not (filtered.any() or batch.processes_logits[rows].any() or (batch.num_logprobs[rows] >= 0).any())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -91,7 +91,7 @@ class Sampler:
         the torch ops below. Each row's tokens depend only on its own settings and seed."""
         from minivllm.worker.fused_sampling import gumbel_max_sample
 
-        filtered = (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+        filtered = filtered_rows(temperature, top_k, top_p, min_p)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         plain = np.flatnonzero(~filtered)
         if len(plain):
@@ -150,6 +150,12 @@ class Sampler:
                 noise[rows] = shared.exponential_(generator=self.generator)
         # exponential_ can return exactly 0; keep the division finite.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def filtered_rows(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Per row, whether it draws from a filtered distribution (top-k, top-p or min-p), which only
+    the torch path applies; greedy rows and plain temperature ones need no filter."""
+    return (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
 
 
 def position_seed(request_seed: int, num_tokens: int) -> int:
