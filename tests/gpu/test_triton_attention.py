@@ -266,3 +266,79 @@ def test_decode_many_sequences(fp8, longest_first) -> None:
     assert torch.equal(metadata.seq_lens[order.long()], metadata.seq_lens.sort(descending=True).values)
     error = (out.float() - expected).norm(dim=-1) / expected.norm(dim=-1)
     assert error.max() < 2e-2, f"relative error {error.max():.2e}"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("with_norm", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (64, 32)])
+def test_decode_rotating_equals_rope_kernel_then_decode(fp8, with_norm, num_splits, head_dim, rotary_dim) -> None:
+    """decode_attention(rope=...) takes q/k before the per-head norm and RoPE: its output, and the
+    cache it leaves (this step's k rotated, and v, in every sequence's newest slot; nothing for
+    padding rows), equal those of ops.norm_rope storing K/V and then the plain decode kernel."""
+    from minivllm.worker import ops
+    from minivllm.worker.attention.metadata import RopeInputs
+
+    num_kv_heads, heads_per_kv, block_size, dtype = 2, 4, 16, torch.bfloat16
+    num_heads = num_kv_heads * heads_per_kv
+    cases = LONG_DECODES
+    _, _, _, plain_cache, plain = make_batch(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=fp8)
+    cache = layout.allocate(plain_cache.shape[1], torch.device("cuda"))
+    flat = plain_cache.view(2, -1, num_kv_heads, head_dim)
+    store_kv(flat[0], flat[1], cache, torch.arange(flat.shape[1], device="cuda"), layout)
+    # Two padding rows at the end, as a CUDA-graph bucket has.
+    metadata = AttentionMetadata(
+        query_start_loc=torch.arange(len(cases) + 3, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.cat([plain.seq_lens, torch.zeros(2, dtype=torch.int32, device="cuda")]),
+        block_tables=torch.cat([plain.block_tables, torch.zeros_like(plain.block_tables[:2])]),
+        slot_mapping=torch.cat([plain.slot_mapping, torch.full((2,), -1, device="cuda")]),
+        max_query_len=1, max_seq_len=plain.max_seq_len, kv_layout=layout,
+    )
+    num_tokens = len(cases) + 2
+    positions = (metadata.seq_lens.long() - 1).clamp(min=0)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda", generator=gen).to(dtype)
+    freqs = torch.arange(8192, device="cuda")[:, None] * torch.rand(rotary_dim // 2, device="cuda", generator=gen)[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    norms = (torch.randn(head_dim, device="cuda", generator=gen).to(dtype),
+             torch.randn(head_dim, device="cuda", generator=gen).to(dtype)) if with_norm else (None, None)
+
+    def split(t: torch.Tensor) -> list[torch.Tensor]:
+        parts = t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        return [p.view(num_tokens, -1, head_dim) for p in parts]
+
+    scale = head_dim**-0.5
+    expected_cache = cache.clone()
+    q, k, v = split(qkv.clone())
+    ops.norm_rope(q, k, positions, cos, sin, *norms, eps=1e-6, kv_store=(v, expected_cache, metadata.slot_mapping, layout))
+    expected = decode_attention(q, expected_cache, metadata, scale, num_splits=num_splits)
+
+    qkv_before = qkv.clone()
+    q, k, v = split(qkv)
+    out = decode_attention(q, cache, metadata, scale, num_splits=num_splits,
+                           rope=RopeInputs(k, v, positions, cos, sin, *norms, eps=1e-6))
+    assert torch.equal(qkv, qkv_before)  # rotated in registers: the projection's output is left alone
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+    # The same operations in the same dtypes, but the compiler may fuse a multiply and an add in one
+    # kernel and not the other: an element a bfloat16 rounding apart here and there.
+    error = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 1e-2, f"relative error {error:.2e}"
+
+    def as_values(c: torch.Tensor) -> torch.Tensor:  # the cache's keys and values, dequantized
+        views = layout.split(c)
+        if not fp8:
+            return torch.stack([views.key, views.value]).float()
+        key = dequantize(views.key, views.key_scale, torch.float32)
+        return torch.stack([key, dequantize(views.value, views.value_scale, torch.float32)])
+
+    values, expected_values = as_values(cache).flatten(1, 2), as_values(expected_cache).flatten(1, 2)
+    slots = metadata.slot_mapping[:-2]
+    # nothing touched outside this step's slots (none for the padding rows) ...
+    others = torch.ones(values.shape[1], dtype=torch.bool, device="cuda")
+    others[slots] = False
+    assert torch.equal(values[:, others], expected_values[:, others])
+    # ... and there, v exact and k a rounding apart at most
+    assert torch.equal(values[1, slots], expected_values[1, slots])
+    cache_error = (values[0, slots] - expected_values[0, slots]).norm() / expected_values[0, slots].norm()
+    assert cache_error < (3e-2 if fp8 else 1e-2), f"cache relative error {cache_error:.2e}"

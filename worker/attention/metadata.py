@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,6 +86,22 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
+class RopeInputs(NamedTuple):
+    """A decode step's rotation, for a backend that rotates inside its attention (rotates_in_decode):
+    this step's key and value [num_tokens, num_kv_heads, head_dim] as the qkv projection gave them,
+    each token's position, RoPE's cos/sin tables [max_position, rotary_dim // 2] (fp32), and the
+    per-head RMSNorm weights applied before rotating (Qwen3; None: no norm)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 class AttentionBackend:
     """Paged attention for one layer: store this step's K/V, then attend over the cache. A backend
     gives the two halves:
@@ -100,10 +116,15 @@ class AttentionBackend:
 
     A backend with stores_kv_with_rope lets the RoPE kernel write the K/V (ops.norm_rope), and
     the layer then calls forward with kv_stored=True.
+
+    A backend with rotates_in_decode takes a decode-only step (max_query_len 1) before the per-head
+    norm and RoPE: decode_rotating(query, kv_cache, metadata, scale, rope) norms and rotates q and
+    k itself, stores k and v, and attends.
     """
 
     name: str
     stores_kv_with_rope: bool = False
+    rotates_in_decode: bool = False
 
     def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               metadata: AttentionMetadata) -> None:
@@ -111,6 +132,10 @@ class AttentionBackend:
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_rotating(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                        scale: float, rope: RopeInputs) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -52,7 +52,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minivllm.worker import pdl
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
-from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionBackend, AttentionMetadata
+from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionBackend, AttentionMetadata, RopeInputs
 
 
 @triton.jit
@@ -69,18 +69,36 @@ def store_token_kv(
     infinities clamped (kv_cache.py: the kernels may read unwritten slots). The body of
     _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py)."""
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, KV_HEADS_PADDED)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    head_valid = heads < NUM_KV_HEADS
+    dim_valid = dims < HEAD_DIM
+    mask = head_valid[:, None] & dim_valid[None, :]
+    k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
+    write_kv_heads(k, v, heads, head_valid, dims, dim_valid, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                   stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                   stride_scale_block, stride_scale_slot, stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
+
+
+@triton.jit
+def write_kv_heads(
+    k, v, heads, head_valid, dims, dim_valid, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):
+    """Write one token's tiles k, v [len(heads), len(dims)] (head_valid, dim_valid: which rows and
+    columns are real) to cache slot `slot` (-1: a padding row, nothing); for an FP8 cache each
+    head's vector as e4m3 plus its scale."""
     # A padding row writes nothing (a mask rather than an early return: this body is inlined
     # into other kernels).
     slot_valid = slot >= 0
+    mask = head_valid[:, None] & dim_valid[None, :]
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, KV_HEADS_PADDED)
-    dims = tl.arange(0, HEAD_DIM_PADDED)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     k_offs = block * stride_cache_block + offset * stride_k_slot + heads[:, None] * stride_k_head + dims[None, :]
     v_offs = block * stride_cache_block + offset * stride_v_slot + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim
-    k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
     if FP8:
         scale_offs = block * stride_scale_block + offset * stride_scale_slot + heads * stride_scale_head
         k = k.to(tl.float32)
@@ -89,12 +107,44 @@ def store_token_kv(
         v = tl.minimum(tl.maximum(tl.where(v == v, v, 0.0), -3.4028234663852886e38), 3.4028234663852886e38)
         k_scale = tl.maximum(tl.max(tl.abs(k), axis=1) / FP8_MAX, MIN_SCALE)
         v_scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX, MIN_SCALE)
-        tl.store(k_scale_ptr + scale_offs, k_scale, mask=(heads < NUM_KV_HEADS) & slot_valid)
-        tl.store(v_scale_ptr + scale_offs, v_scale, mask=(heads < NUM_KV_HEADS) & slot_valid)
+        tl.store(k_scale_ptr + scale_offs, k_scale, mask=head_valid & slot_valid)
+        tl.store(v_scale_ptr + scale_offs, v_scale, mask=head_valid & slot_valid)
         k = k / k_scale[:, None]
         v = v / v_scale[:, None]
     tl.store(k_cache_ptr + k_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
     tl.store(v_cache_ptr + v_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
+
+
+@triton.jit
+def normed_rotated_heads(
+    base_ptr, heads, stride_head, head_valid, dims, dim_valid, norm_ptr, cos_ptr, sin_ptr, position, eps,
+    HEAD_DIM: tl.constexpr, HALF_ROT: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """The head vectors at base_ptr + heads * stride_head ([len(heads), len(dims)] tile), each
+    RMS-normed over its head_dim (HAS_NORM: Qwen3's q/k norm, weights at norm_ptr) and rotated by
+    RoPE at `position` ("rotate half", HALF_ROT = rotary_dim / 2; cos/sin [max_position, HALF_ROT]).
+    The same operations in the same dtypes as ops.norm_rope, without its round trip through memory:
+    a dim's rotation partner (d +- HALF_ROT) is loaded as a second tile rather than sliced out."""
+    rotated = dims < 2 * HALF_ROT
+    first_half = dims < HALF_ROT
+    partner = tl.where(first_half, dims + HALF_ROT, tl.where(rotated, dims - HALF_ROT, dims))
+    mask = head_valid[:, None] & dim_valid[None, :]
+    rows = base_ptr + heads[:, None] * stride_head
+    x = tl.load(rows + dims[None, :], mask=mask, other=0.0)
+    x_partner = tl.load(rows + partner[None, :], mask=mask, other=0.0)
+    if HAS_NORM:
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+        weight = tl.load(norm_ptr + dims, mask=dim_valid)
+        weight_partner = tl.load(norm_ptr + partner, mask=dim_valid)
+        x_partner = (x_partner.to(tl.float32) * rstd[:, None]).to(x.dtype) * weight_partner[None, :]
+        x = (xf * rstd[:, None]).to(x.dtype) * weight[None, :]
+    angle = tl.where(first_half, dims, dims - HALF_ROT)
+    c = tl.load(cos_ptr + position * HALF_ROT + angle, mask=rotated, other=1.0).to(x.dtype)
+    s = tl.load(sin_ptr + position * HALF_ROT + angle, mask=rotated, other=0.0).to(x.dtype)
+    # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin; past the rotary dims: x
+    return tl.where(first_half[None, :], x * c[None, :] - x_partner * s[None, :],
+                    tl.where(rotated[None, :], x * c[None, :] + x_partner * s[None, :], x))
 
 
 @triton.jit
@@ -421,9 +471,14 @@ def _paged_decode_kernel(
     stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
+    # ROPE's: this step's k and v before RoPE, and what the rotation and the store take
+    key_ptr, value_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, eps,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     HEADS_PER_KV: tl.constexpr, GROUP_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr,
     FP8: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, HALF_ROT: tl.constexpr, FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     """Decode-only steps (one query token per sequence): program (kv_head, seq, split) attends the
     HEADS_PER_KV query heads of that KV head (rows of a tensor-core tile padded to GROUP_PADDED)
@@ -440,7 +495,13 @@ def _paged_decode_kernel(
 
     PDL (worker/pdl.py): the step's inputs (lengths, block tables) are read before waiting for the
     kernel before, which writes the query and the newest keys and values. Not with MIXED (whose
-    programs may return before they would wait)."""
+    programs may return before they would wait).
+
+    ROPE: the query and this step's key come straight from the qkv projection, and the kernel does
+    what ops.norm_rope would have done in a kernel of its own before it: each program norms and
+    rotates its query heads, and the program whose split holds the sequence's newest key norms and
+    rotates that key and writes it, with its value, to the cache before it reads its keys (the
+    cache's slot is then what the store would have left there, e4m3 for an FP8 cache)."""
     if PDL:
         gdc_launch_dependents()
     kv_head = tl.program_id(0)
@@ -467,8 +528,29 @@ def _paged_decode_kernel(
     head = kv_head * HEADS_PER_KV + offs_g
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     d_valid = offs_d < HEAD_DIM
-    q = tl.load(query_ptr + row.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=g_valid[:, None] & d_valid[None, :], other=0.0)
+    if ROPE:
+        position = tl.load(positions_ptr + row).to(tl.int64)
+        q = normed_rotated_heads(query_ptr + row.to(tl.int64) * stride_q_token, head, stride_q_head, g_valid,
+                                 offs_d, d_valid, q_norm_ptr, cos_ptr, sin_ptr, position, eps,
+                                 HEAD_DIM, HALF_ROT, HAS_NORM)
+        newest_split = (tl.cdiv(seq_len, BLOCK_N) - 1) // tl.maximum(tiles_per_split, 1)
+        if (split == newest_split) & (seq_len > 0):
+            kv_row = kv_head + tl.zeros([1], dtype=tl.int32)
+            kv_valid = kv_row >= 0
+            k_new = normed_rotated_heads(key_ptr + row.to(tl.int64) * stride_key_token, kv_row, stride_key_head,
+                                         kv_valid, offs_d, d_valid, k_norm_ptr, cos_ptr, sin_ptr, position, eps,
+                                         HEAD_DIM, HALF_ROT, HAS_NORM)
+            v_new = tl.load(value_ptr + row.to(tl.int64) * stride_value_token + kv_row[:, None] * stride_value_head
+                            + offs_d[None, :], mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
+            write_kv_heads(k_new, v_new, kv_row, kv_valid, offs_d, d_valid,
+                           tl.load(slot_mapping_ptr + row).to(tl.int64), k_cache_ptr, v_cache_ptr,
+                           k_scale_ptr, v_scale_ptr, stride_cache_block, stride_k_slot, stride_k_head,
+                           stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block, stride_scale_slot,
+                           stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
+        tl.debug_barrier()  # the keys read below include the one just written
+    else:
+        q = tl.load(query_ptr + row.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head
+                    + offs_d[None, :], mask=g_valid[:, None] & d_valid[None, :], other=0.0)
     if FP8:
         # e4m3 widens to float16 in one instruction per pair (to bfloat16 it takes a detour
         # through float32), so an FP8 cache's dots run in float16.
@@ -655,11 +737,15 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: in
 def decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     out: torch.Tensor | None = None, config: DecodeConfig | None = None, num_splits: int | None = None,
-    mixed: bool = False,
+    mixed: bool = False, rope: RopeInputs | None = None,
 ) -> torch.Tensor:
     """Attention for a decode-only step (metadata.max_query_len == 1: row i is sequence i's token),
     or, with `mixed`, for the one-token sequences of a step with prefill chunks (the rest of `out`
-    is left to the prefill kernel)."""
+    is left to the prefill kernel).
+
+    rope (decode-only steps): `query` and rope.key are the qkv projection's, before the per-head
+    norm and RoPE, and this step's K/V are not in the cache yet: the kernel norms and rotates them
+    and stores k and v itself (no norm_rope kernel before it)."""
     num_tokens, num_heads, head_dim = query.shape
     layout = metadata.layout(kv_cache)
     num_kv_heads = layout.num_kv_heads
@@ -670,6 +756,8 @@ def decode_attention(
     if config is None:
         config = DECODE_FP8 if layout.fp8 else DECODE
     if mixed:
+        if rope is not None:
+            raise ValueError("rope: decode-only steps (a mixed step rotates in ops.norm_rope)")
         num_splits = 1
     elif num_splits is None:
         # A small batch splits its keys whatever their length: at batch 1 over 128-1,024 keys, 8
@@ -695,6 +783,17 @@ def decode_attention(
     if not mixed and num_splits == 1 and config.longest_first and \
             num_seqs * num_kv_heads > _num_sms(query.device.index or 0):
         seq_order = metadata.longest_first()
+    if rope is not None:
+        key, value = rope.key, rope.value
+        if query.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1:
+            raise ValueError("rope: query, key and value need unit stride along head_dim")
+        rope_args = (key, value, rope.q_norm if rope.q_norm is not None else query,
+                     rope.k_norm if rope.k_norm is not None else query, rope.cos_cache, rope.sin_cache,
+                     rope.positions, metadata.slot_mapping, rope.eps,
+                     key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+        half_rot = rope.cos_cache.shape[-1]
+    else:  # unused stand-ins
+        rope_args, half_rot = (query,) * 8 + (0.0, 0, 0, 0, 0), 1
     _paged_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, partial_out, partial_max, partial_sum,
         query, views.key, views.value, k_scale, v_scale,
@@ -702,10 +801,12 @@ def decode_attention(
         seq_order if seq_order is not None else metadata.seq_lens,
         scale * 1.4426950408889634,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides(views),
-        metadata.block_tables.stride(0),
+        metadata.block_tables.stride(0), *rope_args,
         HEADS_PER_KV=heads_per_kv, GROUP_PADDED=group_padded, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=layout.block_size, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, MIXED=mixed, ORDERED=seq_order is not None,
+        ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_norm is not None, HALF_ROT=half_rot,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
         **(pdl.launch_options(query.device) if not mixed else {"PDL": False}),
@@ -774,11 +875,18 @@ def paged_attention(
 
 class TritonAttentionBackend(AttentionBackend):
     """The CUDA backend: store K/V (with its own kernel, or inside the RoPE kernel, which saves a
-    launch per layer), attend with the prefill and decode kernels."""
+    launch per layer), attend with the prefill and decode kernels; a decode-only step's norm, RoPE
+    and store run inside the decode kernel (another launch a layer fewer)."""
 
     name = "triton"
     # $MINIVLLM_ROPE_STORES_KV=0 keeps the store's own kernel (for measuring the fusion).
     stores_kv_with_rope = os.environ.get("MINIVLLM_ROPE_STORES_KV", "1") != "0"
+    # $MINIVLLM_DECODE_ROPE=0 keeps RoPE in its own kernel at decode too (for measuring).
+    rotates_in_decode = os.environ.get("MINIVLLM_DECODE_ROPE", "1") != "0"
+
+    def decode_rotating(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                        scale: float, rope: RopeInputs) -> torch.Tensor:
+        return decode_attention(query, kv_cache, metadata, scale, rope=rope)
 
     def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               metadata: AttentionMetadata) -> None:
