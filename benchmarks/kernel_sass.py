@@ -92,21 +92,28 @@ def main() -> None:
                     num_kv_heads=KV_HEADS, stride_key_token=KV_HEADS * HEAD_DIM, stride_key_head=HEAD_DIM,
                     stride_value_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_value_head=HEAD_DIM)
         pointers = {name: cache if name in ("k_cache_ptr", "v_cache_ptr") else "*fp32" if "scale" in name or "partial" in name
-                    else "*i32" if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr")
+                    else "*i32" if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr",
+                                            "positions_ptr", "num_active_seqs_ptr")
+                    else "*i64" if name == "slot_mapping_ptr"
+                    else "*fp32" if name in ("cos_ptr", "sin_ptr")
                     else "*bf16" for name in ta._paged_decode_kernel.arg_names + ta._paged_attention_kernel.arg_names
                     if name.endswith("_ptr")}
         decode = ta.DECODE_FP8 if fp8 else ta.DECODE
-        compiled = compile_sm90(ta._paged_decode_kernel, ints, pointers, dict(
-            HEADS_PER_KV=HEADS // KV_HEADS, GROUP_PADDED=16, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
-            BLOCK_N=decode.block_n, NUM_SPLITS=1, IEEE_FP32=False, FP8=fp8, MIXED=False, ORDERED=True, PDL=False),
-            ("scale_log2e",), decode.num_warps, decode.num_stages, decode.maxnreg)
-        report(f"decode-{'fp8' if fp8 else 'bf16'}", compiled, args.out)
+        # a large batch's kernel (one split, longest first), and batch 1's (RoPE inside, 8 splits)
+        for name, splits, rope in (("", 1, False), ("-batch1", 8, True)):
+            compiled = compile_sm90(ta._paged_decode_kernel, ints, pointers, dict(
+                HEADS_PER_KV=HEADS // KV_HEADS, GROUP_PADDED=16, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM,
+                BLOCK_SIZE=BLOCK, BLOCK_N=decode.block_n, NUM_SPLITS=splits, IEEE_FP32=False, FP8=fp8, MIXED=False,
+                ORDERED=splits == 1, PDL=rope, ROPE=rope, HAS_NORM=rope, HALF_ROT=HEAD_DIM // 2, FP8_MAX=ta.FP8_MAX,
+                MIN_SCALE=ta.MIN_SCALE), ("scale_log2e", "eps"), decode.num_warps,
+                decode.num_stages, decode.maxnreg)
+            report(f"decode-{'fp8' if fp8 else 'bf16'}{name}", compiled, args.out)
         prefill = ta.PREFILL_FP8 if fp8 else ta.PREFILL
         for fresh_kv in (False, True):  # a chunk's own keys from the cache, or from the step's k and v
             compiled = compile_sm90(ta._paged_attention_kernel, ints, pointers, dict(
                 HEADS_PER_KV=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
                 BLOCK_Q=prefill.block_m // (HEADS // KV_HEADS), BLOCK_M=prefill.block_m, BLOCK_N=prefill.block_n,
-                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv), ("scale_log2e",), prefill.num_warps, prefill.num_stages,
+                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv, ACTIVE_SEQS=True), ("scale_log2e",), prefill.num_warps, prefill.num_stages,
                 prefill.maxnreg)
             report(f"prefill-{'fp8' if fp8 else 'bf16'}{'-fresh' if fresh_kv else ''}", compiled, args.out)
 
