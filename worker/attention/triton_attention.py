@@ -25,7 +25,9 @@ Decode: one program per (sequence, KV head, split): the GQA group's query heads 
 (in a prefill tile a decode would fill a single row of BLOCK_M), and when a decode-only batch is
 too small to fill the GPU each sequence's keys are split across several programs whose partial
 softmax states a second kernel merges (flash-decoding), so a few long contexts use every SM. In a
-step with prefill chunks both kernels run, each skipping the other's sequences.
+step with prefill chunks both kernels run, each skipping the other's sequences. A decode-only step
+can hand the kernel q, k and v before the per-head norm and RoPE (`rope`): it rotates them in
+registers and stores this step's K/V itself, in place of ops.norm_rope's kernel.
 
 An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
 multiplies its column of scores and each value's scale the column of probabilities that weighs it,
