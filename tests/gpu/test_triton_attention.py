@@ -205,6 +205,19 @@ def test_mixed_step_padding(pad_tokens) -> None:
 LONG_DECODES = [(n, 1) for n in (1, 15, 16, 17, 300, 1025, 5000)]
 
 
+def decode_metadata_with_padding(plain: AttentionMetadata, layout: KVCacheLayout) -> AttentionMetadata:
+    """A decode-only batch's metadata in `layout`, with two padding rows at the end (seq_len 0,
+    slot -1), as a CUDA-graph bucket has."""
+    num_seqs = plain.seq_lens.shape[0]
+    return AttentionMetadata(
+        query_start_loc=torch.arange(num_seqs + 3, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.cat([plain.seq_lens, torch.zeros(2, dtype=torch.int32, device="cuda")]),
+        block_tables=torch.cat([plain.block_tables, torch.zeros_like(plain.block_tables[:2])]),
+        slot_mapping=torch.cat([plain.slot_mapping, torch.full((2,), -1, device="cuda")]),
+        max_query_len=1, max_seq_len=plain.max_seq_len, kv_layout=layout,
+    )
+
+
 def cache_in_layout(plain_cache, k, v, slot_mapping, layout: KVCacheLayout) -> torch.Tensor:
     """make_batch's plain cache written into a cache of `layout` (every slot), then this step's k/v."""
     _, num_blocks, block_size, num_kv_heads, head_dim = plain_cache.shape
@@ -227,14 +240,7 @@ def test_decode_kernel(fp8, block_n, num_splits, heads_per_kv, block_size=16) ->
                                              block_size, dtype, seed=heads_per_kv * 10 + num_splits)
     layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=fp8)
     cache = cache_in_layout(plain_cache, k, v, plain.slot_mapping, layout)
-    # Two padding rows at the end, as a CUDA-graph bucket has.
-    metadata = AttentionMetadata(
-        query_start_loc=torch.arange(len(cases) + 3, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.cat([plain.seq_lens, torch.zeros(2, dtype=torch.int32, device="cuda")]),
-        block_tables=torch.cat([plain.block_tables, torch.zeros_like(plain.block_tables[:2])]),
-        slot_mapping=torch.cat([plain.slot_mapping, torch.full((2,), -1, device="cuda")]),
-        max_query_len=1, max_seq_len=plain.max_seq_len, kv_layout=layout,
-    )
+    metadata = decode_metadata_with_padding(plain, layout)
     q = torch.cat([q, torch.randn_like(q[:2])])
     expected = reference_attention(q.float(), cache, metadata, head_dim**-0.5)
     out = torch.full_like(q, float("nan"))
@@ -287,14 +293,7 @@ def test_decode_rotating_equals_rope_kernel_then_decode(fp8, with_norm, num_spli
     cache = layout.allocate(plain_cache.shape[1], torch.device("cuda"))
     flat = plain_cache.view(2, -1, num_kv_heads, head_dim)
     store_kv(flat[0], flat[1], cache, torch.arange(flat.shape[1], device="cuda"), layout)
-    # Two padding rows at the end, as a CUDA-graph bucket has.
-    metadata = AttentionMetadata(
-        query_start_loc=torch.arange(len(cases) + 3, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.cat([plain.seq_lens, torch.zeros(2, dtype=torch.int32, device="cuda")]),
-        block_tables=torch.cat([plain.block_tables, torch.zeros_like(plain.block_tables[:2])]),
-        slot_mapping=torch.cat([plain.slot_mapping, torch.full((2,), -1, device="cuda")]),
-        max_query_len=1, max_seq_len=plain.max_seq_len, kv_layout=layout,
-    )
+    metadata = decode_metadata_with_padding(plain, layout)
     num_tokens = len(cases) + 2
     positions = (metadata.seq_lens.long() - 1).clamp(min=0)
     gen = torch.Generator(device="cuda").manual_seed(7)
