@@ -109,6 +109,15 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size
         blocks = self.req_to_blocks.get(request.request_id, [])
+        if blocks and not new_computed_blocks:
+            # The common case, a decode whose blocks have room for its token: nothing to take
+            # (the general path below would come to the same, at several times the cost per
+            # request and step).
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(blocks) * self.block_size:
+                if self.enable_caching and not delay_cache_blocks:
+                    self._cache_full_blocks(request, blocks, num_tokens)
+                return []
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required_blocks - len(blocks) - len(new_computed_blocks), 0)

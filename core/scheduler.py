@@ -405,7 +405,8 @@ class Scheduler:
             plan.schedule(request, num_new_tokens)
             if drafts:
                 plan.spec_tokens[request.request_id] = drafts
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             req_index += 1
         return preempted
 
@@ -544,24 +545,24 @@ class Scheduler:
             self.finished_req_ids = []
             self.preempted_req_ids = []
 
-        # A decode runs the one token sampled last step (and its drafts); everything else scheduled
-        # is prefill (prompt chunks, or a preempted request's recomputation).
-        num_decode_tokens = sum(
-            1 + len(plan.spec_tokens.get(request.request_id, ()))
-            for request, _ in plan.cached_reqs
-            if request.num_output_tokens + request.num_output_placeholders > 0
-            and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders - 1
-        )
-        self.num_prefill_tokens += total_num_scheduled_tokens - num_decode_tokens
-
         # The worker will compute these tokens; count them now so the next schedule() sees them.
+        # On the way, count the decode tokens: a running request's one token sampled last step (and
+        # its drafts); everything else scheduled is prefill (prompt chunks, or a preempted
+        # request's recomputation).
+        new_req_ids = {request.request_id for request in plan.new_reqs}
+        num_decode_tokens = 0
         scheduled: dict[str, Request] = {}
         for request_id, num_tokens in num_scheduled_tokens.items():
             request = scheduled[request_id] = self.requests[request_id]
-            request.num_computed_tokens += num_tokens
             num_drafts = len(plan.spec_tokens.get(request_id, ()))
-            if request.num_computed_tokens - num_drafts == request.num_tokens + request.num_output_placeholders:
+            num_known_tokens = request.num_tokens + request.num_output_placeholders
+            if (request.num_computed_tokens == num_known_tokens - 1 and num_known_tokens > request.num_prompt_tokens
+                    and request_id not in new_req_ids):
+                num_decode_tokens += 1 + num_drafts
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens - num_drafts == num_known_tokens:
                 request.num_output_placeholders += 1  # this step samples its next token
+        self.num_prefill_tokens += total_num_scheduled_tokens - num_decode_tokens
         self.scheduled_requests[scheduler_output.step_id] = scheduled
         return scheduler_output
 
@@ -648,21 +649,25 @@ class Scheduler:
             self.spec_num_accepted_tokens_per_pos[pos] += 1
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Set a finished status if `token_id` (just appended) ends the request."""
+        """Set a finished status if `token_id` (just appended) ends the request (an unfinished one);
+        returns whether it did. (Run per request and token: plain lengths, no properties.)"""
         params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
         # min_tokens: a stop token counts only once min_tokens tokens came before it (the sampler
         # holds them back until then too).
-        may_stop = request.num_output_tokens > params.min_tokens
-        if may_stop and token_id in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token_id
-        elif may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if num_output_tokens > params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+        if ((params.max_tokens is not None and num_output_tokens >= params.max_tokens)
+                or len(request.prompt_token_ids) + num_output_tokens >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
-        elif request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-        return request.is_finished
+            return True
+        return False
 
     def _preempt(self, request: Request) -> None:
         """Preemption: drop the request's KV; it restarts from token 0 later (or from past
