@@ -4,7 +4,10 @@ outputs for the frontend. Under distributed_executor_backend="uni" this work and
 runner's take turns on one thread, so at large batches it is part of the step; under "mp" it runs
 beside the worker's and must fit in the GPU's step time. No torch, no device.
 
-    python benchmarks/scheduler_step.py [--batch 256] [--context 600] [--steps 300]
+    python benchmarks/scheduler_step.py [--batch 256] [--context 600] [--steps 300] [--steps-in-flight 3]
+
+As the busy loop does with async scheduling, each step is scheduled while the previous ones'
+tokens are still out (--steps-in-flight, the engine's default 3; 1: schedule, then update).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import deque
 
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.config import EngineConfig
@@ -25,6 +29,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=600, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps-in-flight", type=int, default=3)
     args = parser.parse_args()
 
     block_size = 16
@@ -41,27 +46,35 @@ def main() -> None:
 
     timings: dict[str, list[float]] = {"schedule": [], "update_from_output": [], "encode outputs": []}
 
+    in_flight: deque = deque()
+
     def step(record: bool) -> int:
+        """Schedule a step; once args.steps_in_flight are out, take the oldest one's tokens."""
         t0 = time.perf_counter()
         scheduler_output = scheduler.schedule()
+        in_flight.append(scheduler_output)
         t1 = time.perf_counter()
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        outputs = scheduler.update_from_output(
-            scheduler_output, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[7] * len(req_ids)))
-        t2 = time.perf_counter()
-        encode(EngineCoreOutputs(outputs=outputs))
-        t3 = time.perf_counter()
+        t2 = t3 = t1
+        if len(in_flight) >= args.steps_in_flight:
+            oldest = in_flight.popleft()
+            req_ids = list(oldest.num_scheduled_tokens)
+            outputs = scheduler.update_from_output(
+                oldest, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[7] * len(req_ids)))
+            t2 = time.perf_counter()
+            encode(EngineCoreOutputs(outputs=outputs))
+            t3 = time.perf_counter()
         if record:
             for name, seconds in zip(timings, (t1 - t0, t2 - t1, t3 - t2)):
                 timings[name].append(seconds)
         return scheduler_output.total_num_scheduled_tokens
 
-    while step(record=False) > args.batch:  # the prompts' steps
+    while step(record=False) != args.batch:  # the prompts' steps
         pass
     for _ in range(args.steps):
         step(record=True)
     total = sum(statistics.median(samples) for samples in timings.values())
-    print(f"batch {args.batch}, context ~{args.context}: {total * 1e6:.0f} us of engine work per decode step (medians)")
+    print(f"batch {args.batch}, context ~{args.context}, {args.steps_in_flight} step(s) in flight: "
+          f"{total * 1e6:.0f} us of engine work per decode step (medians)")
     for name, samples in timings.items():
         print(f"  {name:20s} {statistics.median(samples) * 1e6:7.0f} us")
 
