@@ -353,8 +353,9 @@ class LlamaForCausalLM(nn.Module):
         return vocab_parallel_logits(hidden_states, weight, self.vocab_size, self.packed_logits_weight)
 
     def pack_for_cpu(self) -> None:
-        """fp32 on the CPU: run every projection and the LM head on oneDNN-packed weights (see
-        worker/cpu_gemm.py). The embedding keeps its plain table for lookups (tied or not)."""
+        """On the CPU (fp32; bf16 where oneDNN has bf16 kernels: cpu_gemm.packs): run every
+        projection and the LM head on oneDNN-packed weights (see worker/cpu_gemm.py). The
+        embedding keeps its plain table for lookups (tied or not)."""
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.pack_for_cpu()

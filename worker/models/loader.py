@@ -10,8 +10,8 @@ load_format:
 Under pipeline parallelism a stage builds only its own layers (and the embedding / norm / LM head
 if they are its), and the checkpoint tensors of the other stages' modules are skipped unread.
 
-In fp32 on the CPU the loaded projections are then packed for oneDNN (worker/cpu_gemm.py), unless
-MINIVLLM_CPU_PACKED_GEMM=0.
+In fp32 on the CPU (and in bf16 where the CPU has oneDNN's bf16 kernels) the loaded projections
+are then packed for oneDNN (worker/cpu_gemm.py), unless MINIVLLM_CPU_PACKED_GEMM=0.
 """
 
 from __future__ import annotations
