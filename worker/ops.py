@@ -57,6 +57,37 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
 
 
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_reference's operations, in its order and dtypes (so the same bits), on fewer
+    buffers: on a CPU each fresh activation-sized buffer costs about as much as an operation on it
+    (its pages are faulted in anew). x itself is never written."""
+    xf = x.float()
+    variance = xf.square().mean(-1, keepdim=True)  # (square is pow(2)'s own kernel)
+    rstd = torch.rsqrt(variance.add_(eps))
+    normed = xf * rstd if xf is x else xf.mul_(rstd)
+    normed = normed.to(x.dtype)
+    if weight.dtype != normed.dtype:  # the reference's product promotes: keep its dtype
+        return weight * normed
+    return normed.mul_(weight)
+
+
+def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rope_reference's products, sums and dtypes (the same bits), written into one output instead
+    of concatenated from temporaries."""
+    half = cos.shape[-1]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    out = torch.empty_like(x)
+    first, second = out[..., :half], out[..., half:2 * half]
+    torch.mul(x1, cos, out=first)
+    first.sub_(x2 * sin)
+    torch.mul(x2, cos, out=second)
+    second.add_(x1 * sin)
+    if 2 * half < x.shape[-1]:
+        out[..., 2 * half:] = x[..., 2 * half:]
+    return out
+
+
 # ---------------------------------------------------------------- Triton kernels
 
 if triton is not None:
@@ -161,7 +192,7 @@ def add_rms_norm(
     if not _use_triton(x):
         if residual is not None:
             x = x + residual
-        return rms_norm_reference(x, weight, eps), x
+        return rms_norm_cpu(x, weight, eps), x
     n = x.shape[-1]
     out = torch.empty_like(x)
     _add_rms_norm_kernel[(x.shape[0],)](
@@ -187,9 +218,9 @@ def norm_rope(
         if kv_store is not None:
             raise ValueError("norm_rope stores K/V only on CUDA")
         if q_norm is not None:
-            q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
+            q, k = rms_norm_cpu(q, q_norm, eps), rms_norm_cpu(k, k_norm, eps)
         cos, sin = cos_cache[positions], sin_cache[positions]
-        return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+        return rope_cpu(q, cos, sin), rope_cpu(k, cos, sin)
     num_tokens, num_q_heads, head_dim = q.shape
     # The kernel steps over tokens by stride and expects each token's heads packed: views of the
     # fused qkv output are, so they are rotated where they lie (copying them cost two kernels a layer).
@@ -221,7 +252,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     if not _use_triton(x):
         gate, up = x.split(n, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # (in place on silu's fresh output: one buffer fewer)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
