@@ -191,3 +191,27 @@ def test_sdpa_backend_plans_each_step_afresh() -> None:
         run_case("shared", [0], [37], block_size=5, seed=6)
     finally:
         del BACKENDS["shared"]
+
+
+def test_sdpa_groups_decodes_by_length() -> None:
+    """Decodes are attended in groups of similar length (each at least half its group's longest,
+    up to MAX_DECODE_GROUPS), every group padded to its own longest; the output still equals plain
+    attention, prefill chunks in the same step included."""
+    from minivllm.worker.attention import cpu_sdpa
+
+    context_lens = [200, 3, 90, 0, 45, 11, 120, 1, 30, 7]
+    query_lens = [1, 1, 1, 25, 1, 1, 1, 1, 1, 1]
+    run_case("cpu-sdpa", context_lens, query_lens, block_size=16, seed=7)
+
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.zeros(len(seq_lens), 16, dtype=torch.int32),
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long), max_query_len=25, max_seq_len=201)
+    plan = cpu_sdpa.plan_step(metadata, 16)
+    groups = [[seq_lens[int(torch.searchsorted(metadata.query_start_loc, row))] for row in group.rows]
+              for group in plan.decodes]
+    assert groups == [[201, 121], [91, 46], [31], [12, 8, 4, 2]]  # the fourth (last) group takes the rest
+    assert [group.slots.shape[1] for group in plan.decodes] == [201, 91, 31, 12]
+    assert len(plan.prefills) == 1

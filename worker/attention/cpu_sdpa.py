@@ -5,10 +5,12 @@ each; on a CPU those ops' overhead, not arithmetic, sets the speed. Here each st
 sequence's context once into a contiguous [keys, kv_heads, head_dim] tensor and hands it to
 SDPA, whose CPU kernel is a tiled flash attention:
 
-- Decodes (one query token each) go in one batched call: contexts are padded to the longest,
-  and a boolean mask hides the padding. Padded positions gather the sequence's own slot 0
-  rather than whatever the pool holds there, so they are finite and the mask zeroes them
-  exactly (a cache slot never written may hold NaN, and 0 * NaN is NaN).
+- Decodes (one query token each) go in batched calls: contexts are padded to the longest of
+  their group, and a boolean mask hides the padding. Padded positions gather the sequence's own
+  slot 0 rather than whatever the pool holds there, so they are finite and the mask zeroes them
+  exactly (a cache slot never written may hold NaN, and 0 * NaN is NaN). A group holds contexts
+  of at least half its longest (up to MAX_DECODE_GROUPS groups, by length), so that short
+  contexts are not padded to a long one's length: the gather and the attention scale with it.
 - Prefill chunks go one sequence at a time: a chunk's queries are the last `query_len` of
   its `seq_len` positions, so the causal mask is shifted by the cached prefix (plain
   is_causal when there is none).
@@ -36,11 +38,19 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [n] query rows of single-token sequences
+    slots: torch.Tensor  # [n, longest context] flat slots (padding: slot of position 0)
+    mask: torch.Tensor  # [n, 1, 1, longest context] True where the key is real
+
+
+@dataclass
 class StepPlan:
-    decode_rows: torch.Tensor  # [num_decodes] query rows of the single-token sequences
-    decode_slots: torch.Tensor  # [num_decodes, longest context] flat slots (padding: slot of position 0)
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, longest context] True where the key is real
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+
+
+MAX_DECODE_GROUPS = 4
 
 
 def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
@@ -62,19 +72,23 @@ def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
             mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
         prefills.append(PrefillChunk(slice(start, end), slots, mask))
 
-    decode_rows = torch.tensor([query_start[i] for i in decode_seqs], dtype=torch.long)
-    if decode_seqs:
-        lens = metadata.seq_lens[decode_seqs].long()
-        longest = int(lens.max())
+    # Longest first; a new group starts where a context is under half the group's longest.
+    decode_seqs.sort(key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    for i in decode_seqs:
+        if not groups or (2 * seq_lens[i] < seq_lens[groups[-1][0]] and len(groups) < MAX_DECODE_GROUPS):
+            groups.append([])
+        groups[-1].append(i)
+    decodes = []
+    for group in groups:
+        lens = torch.tensor([seq_lens[i] for i in group])
+        longest = seq_lens[group[0]]
         num_blocks = -(-longest // block_size)
-        slots = (block_tables[decode_seqs, :num_blocks, None] * block_size + offsets).flatten(1)[:, :longest]
+        slots = (block_tables[group, :num_blocks, None] * block_size + offsets).flatten(1)[:, :longest]
         real = torch.arange(longest)[None, :] < lens[:, None]
-        decode_slots = torch.where(real, slots, slots[:, :1])
-        decode_mask = real[:, None, None, :]
-    else:
-        decode_slots = torch.empty(0, 0, dtype=torch.long)
-        decode_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool)
-    return StepPlan(decode_rows, decode_slots, decode_mask, prefills)
+        decodes.append(DecodeGroup(torch.tensor([query_start[i] for i in group], dtype=torch.long),
+                                   torch.where(real, slots, slots[:, :1]), real[:, None, None, :]))
+    return StepPlan(decodes, prefills)
 
 
 class SdpaAttentionBackend(AttentionBackend):
@@ -99,14 +113,13 @@ class SdpaAttentionBackend(AttentionBackend):
         gqa = query.shape[1] != layout.num_kv_heads
         out = torch.empty_like(query)
 
-        if plan.decode_rows.numel():
+        for group in plan.decodes:
             # [decodes, heads, 1, dim] against [decodes, kv_heads, longest, dim]
-            q = query[plan.decode_rows].unsqueeze(2)
-            k, v = gather(views, plan.decode_slots, query.dtype)
+            q = query[group.rows].unsqueeze(2)
+            k, v = gather(views, group.slots, query.dtype)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale,
-                                                      enable_gqa=gqa)
-            out[plan.decode_rows] = attended.squeeze(2)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+            out[group.rows] = attended.squeeze(2)
 
         for chunk in plan.prefills:
             q = query[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
