@@ -9,7 +9,10 @@ earlier kernel of the step writes (weights, cos/sin tables, the step's host-copi
 anything. Every kernel launched with PDL must wait (in every program) before its first dependent
 access: that keeps the order transitive down the chain.
 
-Off by default until measured on a GPU: MINIVLLM_PDL=1 turns it on.
+On by default on Hopper and later; MINIVLLM_PDL=0 turns it off. It pays once the one-row
+projections leave the next kernel room to start (worker/small_batch_gemm.py, TILINGS): batch-1
+decode on an H100 0.943 ms per token against 1.000-1.003 without (benchmarks/RESULTS.md). With
+the projections filling every multiprocessor's registers, as before, it gained nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 
 import torch
 
-ENABLED = os.environ.get("MINIVLLM_PDL", "0") == "1"
+ENABLED = os.environ.get("MINIVLLM_PDL", "1") != "0"
 
 
 @functools.cache

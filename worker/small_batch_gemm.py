@@ -6,7 +6,8 @@ Qwen3-0.6B step's 1.2 GB of weights at ~1.3 TB/s on an H100, under half the card
 Here each program owns BLOCK_N output columns, streams their rows of W in BLOCK_K-wide chunks
 (consecutive addresses across the threads, 16-byte loads), multiplies them with the few rows of
 x on the CUDA cores and accumulates in fp32. BLOCK_N is chosen per shape so the grid holds
-enough programs to keep every multiprocessor's memory pipe busy.
+enough programs to keep every multiprocessor's memory pipe busy; with PDL (worker/pdl.py) fewer,
+wider programs that load all their weights before waiting on the kernel before (TILINGS).
 
 The kernel can also compute its input on the way in, so that the small element-wise kernel which
 would otherwise run before it (a launch and a few microseconds each, in a step of ~300 kernels)
@@ -25,6 +26,7 @@ everything bigger stays on cuBLAS, which is compute-efficient there.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -39,10 +41,25 @@ except ImportError:  # CPU-only torch builds
 
 ENABLED = os.environ.get("MINIVLLM_SMALL_BATCH_GEMM", "1") != "0"  # "0": cuBLAS for every row count
 MAX_ROWS = 1  # from 2 rows on, cuBLAS's tensor-core tiles are as fast (benchmarks/small_batch_gemm.py)
-_MIN_PROGRAMS = 1024  # ~8 per multiprocessor on an H100 (132): enough loads in flight
-_WEIGHTS_PER_CHUNK = 4096  # weights one program loads per loop step (BLOCK_N x BLOCK_K)
-_NUM_WARPS = 4
 
+
+class Tiling(NamedTuple):
+    """How a projection is cut into programs (see _tiles)."""
+
+    min_programs: int  # the column block narrows (down to one column) until the grid has this many
+    whole_rows: bool  # a program loads all its weights at once if they fit MAX_TILE, else CHUNK_WEIGHTS a time
+    weights_per_thread: int  # (sets num_warps)
+
+
+MAX_TILE = 16384
+CHUNK_WEIGHTS = 4096
+# benchmarks/small_batch_gemm.py --chain, one row through Qwen3-0.6B's 28 layers of projections on
+# an H100: 23.1 us a layer with the plain tiling, 18.0 with the PDL one and PDL on (24.4 with it off).
+# Without PDL, ~8 programs per multiprocessor (132) keep enough loads in flight within one kernel,
+# and they fill the register file. With PDL a kernel's programs start while the kernel before still
+# runs and load their weights before they wait for it: that needs room beside it, so ~2 wide programs
+# per multiprocessor, each loading all its weight rows up front.
+TILINGS = {False: Tiling(1024, False, 32), True: Tiling(256, True, 64)}  # keyed by PDL on
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether x [M, K] (or, for silu_mul_linear, [M, 2K]) fits the kernel with this weight [N, K]."""
@@ -125,12 +142,19 @@ if triton is not None:
                  mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _block_n(n: int) -> int:
-    """The widest power-of-two column block (<= 16) that still gives _MIN_PROGRAMS programs."""
-    block = 16
-    while block > 1 and triton.cdiv(n, block) < _MIN_PROGRAMS:
-        block //= 2
-    return block
+def _tiles(n: int, k: int, tiling: Tiling) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight: the widest power-of-two column block (<= 16)
+    that still gives tiling.min_programs programs, its whole rows or 1024-wide chunks of them."""
+    block_n = 16
+    while block_n > 1 and triton.cdiv(n, block_n) < tiling.min_programs:
+        block_n //= 2
+    row = triton.next_power_of_2(k)
+    if tiling.whole_rows and block_n * row <= MAX_TILE:
+        block_k = row
+    else:
+        block_k = max(64, min(1024, CHUNK_WEIGHTS // block_n))
+    num_warps = min(16, max(4, block_n * block_k // (32 * tiling.weights_per_thread)))
+    return block_n, block_k, num_warps
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
@@ -139,15 +163,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
     m = x.shape[0]
     n, k = weight.shape
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_n = _block_n(n)
-    block_k = max(64, min(1024, _WEIGHTS_PER_CHUNK // block_n))
+    launch_options = pdl.launch_options(x.device)
+    block_n, block_k, num_warps = _tiles(n, k, TILINGS[launch_options["PDL"]])
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         residual if residual is not None else x, summed if summed is not None else x,
         norm_weight if norm_weight is not None else weight,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        PROLOGUE=prologue, num_warps=_NUM_WARPS, **pdl.launch_options(x.device),
+        PROLOGUE=prologue, num_warps=num_warps, **launch_options,
     )
     return out
 
