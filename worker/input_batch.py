@@ -16,6 +16,7 @@ import torch
 
 from minivllm.protocol.messages import NewRequestData
 from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.worker.sampler import filtered_rows
 
 
 @dataclass
@@ -52,6 +53,12 @@ class StepInputs:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def sampling_req_ids(self) -> list[str]:
+        """The ids of the requests that sample, in order (in a plain decode step, all of them)."""
+        if len(self.sampling_req_index) == len(self.req_ids):
+            return self.req_ids
+        return [self.req_ids[i] for i in self.sampling_req_index.tolist()]
+
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
@@ -77,6 +84,9 @@ class InputBatch:
         self.seed = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no seed of its own
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no logprobs asked
+        # Greedy or temperature alone: no top-k/top-p/min-p, logits processors or logprobs (a decode
+        # step whose rows all sample plainly can sample in a CUDA graph).
+        self.samples_plainly = np.zeros(max_num_reqs, dtype=bool)
         # Speculative decoding: rows that may get drafts (core/request.py Request.can_speculate).
         self.can_speculate = np.zeros(max_num_reqs, dtype=bool)
         # For worker/logits_processors.py: which rows need it, and what each asks for.
@@ -100,6 +110,9 @@ class InputBatch:
 
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # rows_of's last answer (read-only), kept until a request comes or goes.
+        self._last_ids: list[str] | None = None
+        self._last_rows = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -113,6 +126,7 @@ class InputBatch:
             raise RuntimeError(f"more than max_num_seqs={self.max_num_reqs} requests in the batch")
         row = self.free_rows.pop()
         self.row_of[new.req_id] = row
+        self._last_ids = None
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -132,11 +146,22 @@ class InputBatch:
     def remove_request(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)  # ids never seen (aborted while waiting) are fine
         if row is not None:
+            self._last_ids = None
             self.generators[row] = None
             self.pending[row] = -1
             self.prompt_logprobs_chunks[row] = []
             self.prompt_logprobs_reqs.discard(req_id)
             self.free_rows.append(row)
+
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """The rows of `req_ids`, in order (read-only). Decode steps ask for the same ids step
+        after step, so the last answer is reused while no request came or went (a row changes
+        hands only then): comparing the ids costs a fraction of looking each one up."""
+        if req_ids != self._last_ids:
+            rows = np.fromiter([self.row_of[r] for r in req_ids], dtype=np.int64, count=len(req_ids))
+            rows.flags.writeable = False  # shared by the steps that reuse it
+            self._last_ids, self._last_rows = list(req_ids), rows
+        return self._last_rows
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = int(self.num_blocks[row])
@@ -154,6 +179,8 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.seed[row] = -1 if params.seed is None else params.seed
         self.processes_logits[row] = params.processes_logits
+        self.samples_plainly[row] = not (self.processes_logits[row] or self.num_logprobs[row] >= 0 or filtered_rows(
+            self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row]))
         self.can_speculate[row] = (params.logprobs is None and params.prompt_logprobs is None
                                    and not params.processes_logits)
         self.presence_penalty[row] = params.presence_penalty
@@ -177,13 +204,18 @@ class InputBatch:
         """Gather the inputs of every scheduled request, vectorized over rows and tokens.
         spec_decode_tokens: drafts to verify, run after their requests' known tokens."""
         req_ids = list(num_scheduled_tokens)
-        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        num_reqs = len(req_ids)
+        rows = self.rows_of(req_ids)
+        query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        max_query_len = int(query_lens.max())
         start = self.num_computed_tokens[rows]
         seq_lens = start + query_lens
+        num_known = self.num_tokens[rows]
+        known_end = num_known
         # Drafts sit in the rows past the known tokens (not counted by num_tokens until accepted).
-        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        num_drafts = None
         if spec_decode_tokens:
+            num_drafts = np.zeros(num_reqs, dtype=np.int64)
             for i, req_id in enumerate(req_ids):
                 drafts = spec_decode_tokens.get(req_id)
                 if drafts:
@@ -192,20 +224,25 @@ class InputBatch:
                         raise ValueError(f"request {req_id}: drafts past max_model_len")
                     self.token_ids[row, n:n + len(drafts)] = drafts
                     num_drafts[i] = len(drafts)
-        known_end = self.num_tokens[rows] + num_drafts
-        if np.any(seq_lens > known_end):
+            known_end = known_end + num_drafts
+        # A request samples iff this step reaches the end of its known tokens (and drafts).
+        samples = seq_lens == known_end
+        every_request_samples = bool(samples.all())  # a plain decode step
+        if not every_request_samples and np.any(seq_lens > known_end):
             bad = req_ids[int(np.argmax(seq_lens > known_end))]
             raise ValueError(f"request {bad}: scheduled past its known tokens")
-        if np.any((num_drafts > 0) & (seq_lens != known_end)):
+        if num_drafts is not None and np.any((num_drafts > 0) & ~samples):
             raise ValueError("a request with drafts must run up to its last draft")
 
-        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        # For token t of request i: position start[i] + (t - query_start_loc[i]).
-        token_req = np.repeat(np.arange(len(req_ids)), query_lens)
-        positions = np.arange(num_tokens) - query_start_loc[token_req] + start[token_req]
-        token_rows = rows[token_req]
+        if max_query_len == 1 and num_tokens == num_reqs:  # decode only: token i is request i's
+            positions, token_rows, token_num_known = start, rows, num_known
+        else:  # for token t of request i: position start[i] + (t - query_start_loc[i])
+            token_req = np.repeat(np.arange(num_reqs), query_lens)
+            positions = np.arange(num_tokens) - query_start_loc[token_req] + start[token_req]
+            token_rows, token_num_known = rows[token_req], num_known[token_req]
         input_ids = self.token_ids[token_rows, positions]
         slot_mapping = (
             self.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
@@ -216,10 +253,13 @@ class InputBatch:
         if np.any(self.num_blocks[rows] * self.block_size < seq_lens):
             raise ValueError("a scheduled request has fewer blocks than its tokens need")
 
-        # A request samples iff this step reaches the end of its known tokens (and drafts).
-        samples = seq_lens == known_end
+        if every_request_samples:  # the same arrays as below, in fewer operations
+            logits_indices, sampling_req_index, sampling_rows = query_start_loc[1:] - 1, np.arange(num_reqs), rows
+        else:
+            logits_indices = query_start_loc[1:][samples] - 1
+            sampling_req_index, sampling_rows = np.flatnonzero(samples), rows[samples]
         spec_logits_indices = sampled_num_drafts = None
-        if spec_decode_tokens:
+        if num_drafts is not None:
             sampled_num_drafts = num_drafts[samples]
             counts = sampled_num_drafts + 1
             first = query_start_loc[1:][samples] - counts
@@ -227,8 +267,8 @@ class InputBatch:
             spec_logits_indices = np.repeat(first, counts) + offsets
         self.num_computed_tokens[rows] = seq_lens  # written by this step's forward
         # Tokens the previous step sampled and the host has not seen yet (only ever a row's last).
-        pending_token_index = np.flatnonzero(
-            (self.pending[token_rows] >= 0) & (positions == self.num_tokens[token_rows] - 1))
+        token_pending = self.pending[token_rows]
+        pending_token_index = np.flatnonzero((token_pending >= 0) & (positions == token_num_known - 1))
         return StepInputs(
             req_ids=req_ids,
             input_ids=input_ids,
@@ -237,13 +277,13 @@ class InputBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=self.block_table[rows, :num_columns],
-            logits_indices=query_start_loc[1:][samples] - 1,
-            sampling_req_index=np.flatnonzero(samples),
-            sampling_rows=rows[samples],
-            max_query_len=int(query_lens.max()),
+            logits_indices=logits_indices,
+            sampling_req_index=sampling_req_index,
+            sampling_rows=sampling_rows,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             pending_token_index=pending_token_index,
-            pending_source=self.pending[token_rows[pending_token_index]],
+            pending_source=token_pending[pending_token_index],
             num_draft_tokens=sampled_num_drafts,
             spec_logits_indices=spec_logits_indices,
         )
@@ -255,13 +295,14 @@ class InputBatch:
         self.num_tokens[rows] += 1
         self.pending[rows] = np.arange(len(rows))
 
-    def resolve_pending(self, rows: np.ndarray, token_ids: list[int]) -> None:
+    def resolve_pending(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """The values of the tokens append_pending counted. Rows given to another request since
         (their pending mark was cleared) are skipped."""
         keep = self.pending[rows] >= 0
-        kept_rows = rows[keep]
-        self.token_ids[kept_rows, self.num_tokens[kept_rows] - 1] = np.asarray(token_ids, dtype=np.int64)[keep]
-        self.pending[kept_rows] = -1
+        if not keep.all():
+            rows, token_ids = rows[keep], np.asarray(token_ids)[keep]
+        self.token_ids[rows, self.num_tokens[rows] - 1] = token_ids
+        self.pending[rows] = -1
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         """Several new known tokens of one row (accepted drafts and the token sampled after them)."""

@@ -40,7 +40,7 @@ from minivllm.worker.logprobs import sampled_logprobs
 from minivllm.worker.models.loader import describe, load_model
 from minivllm.worker.pipeline import apply_new_token_ids, make_pipeline_stage
 from minivllm.worker.prompt_logprobs import gather_prompt_logprobs
-from minivllm.worker.sampler import Sampler, SamplingMetadata, filtered_rows, reseed_generators
+from minivllm.worker.sampler import Sampler, SamplingMetadata, reseed_generators
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class PendingStep:
     rows: np.ndarray  # their persistent-batch rows
     sampled: torch.Tensor  # [n] on the device; the next step reads input ids from it
     host: torch.Tensor  # [n] the copy on the host, complete once `copied` has happened
+    host_values: np.ndarray  # the same memory as `host`, for numpy
     copied: torch.cuda.Event | None
 
 
@@ -124,6 +125,7 @@ class ModelRunner:
         self.gpu_wait_s = 0.0  # time spent waiting for held-back tokens (the worker's step timer reads it)
         self.sampled_host = torch.empty(config.max_num_seqs, dtype=torch.int64,
                                         pin_memory=self.device.type == "cuda")
+        self.sampled_host_np = self.sampled_host.numpy()  # (a view made per step costs more than a slice)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         # KV connector (worker/kv_connector/): when one is configured its hooks wrap every step;
@@ -274,9 +276,7 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.sample_graphs or step.max_query_len != 1 \
                 or len(step.sampling_rows) != len(step.req_ids) or not self.graphs.can_sample(step):
             return False
-        batch, rows = self.input_batch, step.sampling_rows
-        filtered = filtered_rows(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
-        return not (filtered.any() or batch.processes_logits[rows].any() or (batch.num_logprobs[rows] >= 0).any())
+        return bool(self.input_batch.samples_plainly[step.sampling_rows].all())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return its output (nothing held back)."""
@@ -317,7 +317,7 @@ class ModelRunner:
             sampled_ids, logprobs = self.buffers.sampled[: len(rows)], None
         else:
             sampled_ids, logprobs = self._sample(hidden_states, step)
-        sampled_req_ids = [step.req_ids[i] for i in step.sampling_req_index]
+        sampled_req_ids = step.sampling_req_ids()
         # (Logprobs were brought to the host already: holding the tokens back would gain nothing.)
         if self.overlap_outputs and logprobs is None and not prompt_logprobs:
             host = self.sampled_host[: len(rows)]
@@ -326,7 +326,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record()
-            self.pending = PendingStep(sampled_req_ids, rows, sampled_ids, host, copied)
+            self.pending = PendingStep(sampled_req_ids, rows, sampled_ids, host, self.sampled_host_np[: len(rows)],
+                                       copied)
             batch.append_pending(rows)
             return outputs
         sampled = sampled_ids.tolist()  # the step's one device->host sync (two when logprobs are asked)
@@ -344,10 +345,13 @@ class ModelRunner:
         batch, rows = self.input_batch, step.sampling_rows
         raw_logits = self.model.compute_logits(hidden_states[logits_indices])
         logits = apply_logits_processors(raw_logits, batch, rows)
-        generators = [batch.generators[r] for r in rows]
-        reseed_generators(generators, batch.seed[rows], batch.num_tokens[rows])
+        request_seeds = batch.seed[rows]
+        # Only a row with a seed has a generator of its own (most steps have none).
+        generators = [batch.generators[r] for r in rows.tolist()] if (request_seeds >= 0).any() \
+            else [None] * len(rows)
+        reseed_generators(generators, request_seeds, batch.num_tokens[rows])
         if self.device.type == "cuda":
-            seeds = self.row_seeds(batch.seed[rows], batch.num_tokens[rows], self.seed_rng)
+            seeds = self.row_seeds(request_seeds, batch.num_tokens[rows], self.seed_rng)
             sampled_ids = self.sampler.sample_rows(logits, batch.temperature[rows], batch.top_k[rows],
                                                    batch.top_p[rows], generators, seeds, batch.min_p[rows])
         else:
@@ -372,9 +376,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             pending.copied.synchronize()
             self.gpu_wait_s += time.perf_counter() - t0
-        sampled = pending.host.tolist()
-        self.input_batch.resolve_pending(pending.rows, sampled)
-        return [ModelRunnerOutput(req_ids=pending.req_ids, sampled_token_ids=sampled)]
+        self.input_batch.resolve_pending(pending.rows, pending.host_values)
+        return [ModelRunnerOutput(req_ids=pending.req_ids, sampled_token_ids=pending.host.tolist())]
 
     def _patch_pending_inputs(self, input_ids: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
         """Input ids the host does not have yet (at `index`) come from the previous step's sampled
@@ -402,11 +405,19 @@ class ModelRunner:
             batch.remove_request(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             batch.add_request(new)
-        for cached in scheduler_output.scheduled_cached_reqs:
-            row = batch.row_of[cached.req_id]
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        if not cached_reqs:
+            return
+        # Every running request's position in one assignment; the rarer changes (a new block, blocks
+        # released, tokens sent) one request at a time.
+        rows = batch.rows_of([cached.req_id for cached in cached_reqs])
+        batch.num_computed_tokens[rows] = np.fromiter([cached.num_computed_tokens for cached in cached_reqs],
+                                                      np.int64, len(cached_reqs))
+        for i in [i for i, cached in enumerate(cached_reqs)
+                  if cached.new_block_ids or cached.num_released_blocks or cached.new_token_ids]:
+            cached, row = cached_reqs[i], int(rows[i])
             batch.num_blocks[row] -= cached.num_released_blocks  # they held rejected drafts only
             if cached.new_block_ids:
                 batch.append_blocks(row, cached.new_block_ids)
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
             if cached.new_token_ids:  # pipeline parallelism: tokens a stage that does not sample lacks
                 apply_new_token_ids(batch, cached)

@@ -136,10 +136,10 @@ class Sampler:
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """Exponential(1) noise shaped like probs: seeded rows from their own generator."""
         noise = torch.empty_like(probs)
-        shared_rows = [i for i, g in enumerate(generators) if g is None]
-        if len(shared_rows) == len(generators):
+        if not any(generators):  # no seeded row (a generator is always true)
             noise.exponential_(generator=self.generator)
         else:
+            shared_rows = [i for i, g in enumerate(generators) if g is None]
             # The only per-request loop: each seeded row advances its own generator.
             for i, generator in enumerate(generators):
                 if generator is not None:

@@ -122,6 +122,22 @@ class StepBuffers:
         return {name: host_np[offset: offset + count * dtype.itemsize].view(dtype)
                 for name, (offset, count, dtype) in StepLayout(tokens, seqs).fields.items()}
 
+    @functools.lru_cache(maxsize=_RING * 64)
+    def _table_views(self, turn: int, rows: int, columns: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """A rows x columns block table's place in host buffer `turn` (after the packed arrays), as a
+        numpy view to write into and as the host tensor its copy reads, and where the copy lands."""
+        offset, nbytes = self.packed.numel(), rows * columns * 4
+        host_np = self._host_np[turn][offset: offset + nbytes].view(np.int32).reshape(rows, columns)
+        host = self._host[turn][offset: offset + nbytes].view(torch.int32).view(rows, columns)
+        return host_np, host, self.block_tables[:rows, :columns]
+
+    @functools.lru_cache(maxsize=128)
+    def _pending_views(self, offset: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The places of `count` input ids still on the device and their places in the previous
+        step's sampled ids, as the packed copy puts them at byte `offset` of the device buffer."""
+        pending = self.packed[offset: offset + 16 * count].view(torch.int64)
+        return pending[:count], pending[count:]
+
     def load(self, step: StepInputs, padded_tokens: int | None = None,
              padded_seqs: int | None = None) -> AttentionMetadata:
         """Copy a step's host arrays in, padded (on the host) to a graph's bucket when given."""
@@ -169,12 +185,9 @@ class StepBuffers:
             pending[:num_pending] = step.pending_token_index
             pending[num_pending:] = step.pending_source
         self.packed[: nbytes + 16 * num_pending].copy_(host[: nbytes + 16 * num_pending], non_blocking=True)
-        rows, columns = step.block_table.shape
-        table_offset = self.packed.numel()
-        table = host_np[table_offset: table_offset + rows * columns * 4].view(np.int32).reshape(rows, columns)
+        table, host_table, device_table = self._table_views(turn, *step.block_table.shape)
         table[:] = step.block_table
-        host_table = host[table_offset: table_offset + rows * columns * 4].view(torch.int32).view(rows, columns)
-        self.block_tables[:rows, :columns].copy_(host_table, non_blocking=True)
+        device_table.copy_(host_table, non_blocking=True)
         if self.device.type == "cuda":
             if self._copied[turn] is None:
                 self._copied[turn] = torch.cuda.Event()
@@ -182,8 +195,7 @@ class StepBuffers:
 
         views = self.views(tokens, seqs)
         self.forward_inputs = (views.input_ids, views.positions)
-        pending = self.packed[nbytes: nbytes + 16 * num_pending].view(torch.int64)
-        self.pending_index, self.pending_source = pending[:num_pending], pending[num_pending:]
+        self.pending_index, self.pending_source = self._pending_views(nbytes, num_pending)
         return self.metadata(tokens, seqs, step.max_query_len, step.max_seq_len)
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
