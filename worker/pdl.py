@@ -11,7 +11,7 @@ access: that keeps the order transitive down the chain.
 
 On by default on Hopper and later; MINIVLLM_PDL=0 turns it off. It pays once the one-row
 projections leave the next kernel room to start (worker/small_batch_gemm.py, TILINGS): batch-1
-decode on an H100 0.943 ms per token against 1.000-1.003 without (benchmarks/RESULTS.md). With
+decode on an H100 0.880 ms per token against 1.000-1.003 without (benchmarks/RESULTS.md). With
 the projections filling every multiprocessor's registers, as before, it gained nothing.
 """
 

@@ -613,10 +613,17 @@ def _paged_decode_kernel(
 @triton.jit
 def _combine_splits_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, stride_o_token, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (sequence, query head): merge the splits' softmax states (each rescaled to
-    the overall max) into the output."""
+    the overall max) into the output.
+
+    PDL (worker/pdl.py): everything it reads is the attention kernel's, so it waits at once; but it
+    lets the kernel after it (o_proj) start first, to load its weights while the attention runs
+    (batch 1 on an H100: 0.944 -> 0.880 ms per token)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     state = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -817,6 +824,7 @@ def decode_attention(
         _combine_splits_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_max, partial_sum, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, NUM_SPLITS=num_splits,
+            **pdl.launch_options(query.device),
         )
     return out
 
