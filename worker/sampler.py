@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from minivllm.protocol.sampling_params import SamplingParams
+from minivllm.worker import ops
 
 
 @dataclass
@@ -107,13 +108,13 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [n, vocab] -> sampled token ids [n] (int64)."""
+        if metadata.all_greedy:  # (in the logits' own dtype: widening keeps every order and tie)
+            return ops.argmax(logits)
         logits = logits.float()
-        if metadata.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_tokens = logits.argmax(dim=-1) if metadata.any_greedy else None
+        greedy_tokens = ops.argmax(logits) if metadata.any_greedy else None
         probs = self.compute_probs(logits, metadata)
         noise = self._exponential_noise(probs, metadata.generators)
-        sampled_tokens = (probs.div_(noise)).argmax(dim=-1)
+        sampled_tokens = ops.argmax(probs.div_(noise))
         is_greedy = metadata.temperature == 0.0
         return sampled_tokens if greedy_tokens is None else torch.where(is_greedy, greedy_tokens, sampled_tokens)
 

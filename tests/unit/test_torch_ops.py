@@ -58,3 +58,20 @@ def test_norm_rope_and_silu_and_mul_equal_references(dtype) -> None:
     assert torch.equal(k_out, ops.rope_reference(ops.rms_norm_reference(k, norms[1], 1e-6), cos, sin))
     gate_up = torch.randn(6, 2 * 48, generator=gen).to(dtype)
     assert torch.equal(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :48]) * gate_up[:, 48:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_equals_torch_argmax_with_ties_nan_and_inf(dtype) -> None:
+    """ops.argmax goes through max() on the CPU: the same index as argmax, the first of equal
+    maxima, a NaN's where a row has one, an inf's over finite values."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        x = torch.randint(-3, 4, (17, 1001), generator=gen).to(dtype)  # many ties
+        if trial % 3 == 0:
+            x[torch.rand(x.shape, generator=gen) < 0.002] = float("nan")
+        if trial % 5 == 0:
+            x[:, 7] = float("inf")
+            x[3, 900] = float("inf")
+        assert torch.equal(ops.argmax(x), x.argmax(dim=-1)), trial
+    x = torch.randn(1, 49152, generator=gen).to(dtype)
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1)) and ops.argmax(x).dtype == torch.int64

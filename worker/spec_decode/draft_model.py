@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from minivllm.protocol.config import EngineConfig
+from minivllm.worker import ops
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.cuda_graphs import PatchInputIds, StepBuffers, StepGraphs, run_forward
@@ -127,7 +128,7 @@ class DraftModelRunner:
                 sampling_req_index=np.arange(len(active)), sampling_rows=active_rows, max_query_len=1,
                 max_seq_len=int(seq_lens.max()))
             hidden = self._run(step, lambda input_ids, _index, _source, drafts=last_tokens: input_ids.copy_(drafts))
-            last_tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            last_tokens = ops.argmax(self.model.compute_logits(hidden))
             steps.append((active, last_tokens))
         if steps:
             drafts = torch.cat([tokens for _, tokens in steps]).tolist()  # the one device->host sync

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from minivllm.worker import ops
+
 
 def verify_against_samples(target_token_ids: Sequence[int], draft_token_ids: Sequence[Sequence[int]]
                            ) -> tuple[list[list[int]], list[int]]:
@@ -53,7 +55,7 @@ def verify_against_samples(target_token_ids: Sequence[int], draft_token_ids: Seq
 def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of (unnormalized, non-negative) probs: argmax(probs / E), E ~ Exp(1)."""
     noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return ops.argmax(probs / noise)
 
 
 @torch.no_grad()
