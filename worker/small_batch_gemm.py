@@ -61,6 +61,7 @@ CHUNK_WEIGHTS = 4096
 # per multiprocessor, each loading all its weight rows up front.
 TILINGS = {False: Tiling(1024, False, 32), True: Tiling(256, True, 64)}  # keyed by PDL on
 
+
 def supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether x [M, K] (or, for silu_mul_linear, [M, 2K]) fits the kernel with this weight [N, K]."""
     return (ENABLED and triton is not None and weight is not None and x.is_cuda and x.dim() == 2
