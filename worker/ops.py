@@ -27,7 +27,8 @@ try:
 
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from minivllm.worker.attention.triton_attention import STORE_KV_STRIDES, store_kv_args, store_token_kv
+    from minivllm.worker.attention.triton_attention import (STORE_KV_STRIDES, normed_rotated_heads, store_kv_args,
+                                                             store_token_kv)
 except ImportError:  # CPU-only torch builds have no Triton: the torch versions serve
     triton = None
 
@@ -123,23 +124,20 @@ if triton is not None:
                           stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                           stride_v_dim, stride_scale_block, stride_scale_slot, stride_scale_head,
                           NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HALF_ROT: tl.constexpr, HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr,
-                          DIM_PADDED: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+                          HALF_ROT: tl.constexpr, HEADS_PADDED: tl.constexpr, DIM_PADDED: tl.constexpr,
+                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
                           NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                           MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # (worker/pdl.py) positions are a step input and cos/sin constant: read before waiting
+        if PDL:  # (worker/pdl.py) positions are a step input: read before waiting
             gdc_launch_dependents()
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + token).to(tl.int64)
-        half = tl.arange(0, HALF_PADDED)
-        half_mask = half < HALF_ROT
-        cos = tl.load(cos_ptr + pos * HALF_ROT + half, mask=half_mask, other=1.0)
-        sin = tl.load(sin_ptr + pos * HALF_ROT + half, mask=half_mask, other=0.0)
         if PDL:
             gdc_wait()
         heads = tl.arange(0, HEADS_PADDED)
         dims = tl.arange(0, DIM_PADDED)
+        dim_valid = dims < HEAD_DIM
         for which in tl.static_range(2):
             if which == 0:
                 base = q_ptr + token * stride_q_token
@@ -149,25 +147,14 @@ if triton is not None:
                 base = k_ptr + token * stride_k_token
                 num_heads = NUM_K_HEADS
                 norm_ptr = k_norm_ptr
-            head_mask = heads < num_heads
-            if HAS_NORM:  # per-head RMSNorm over the whole head_dim, before rotating
-                full = tl.load(base + heads[:, None] * HEAD_DIM + dims[None, :],
-                               mask=head_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-                ff = full.to(tl.float32)
-                rstd = tl.rsqrt(tl.sum(ff * ff, axis=1) / HEAD_DIM + eps)
-                w = tl.load(norm_ptr + dims, mask=dims < HEAD_DIM)
-                normed = (ff * rstd[:, None]).to(full.dtype) * w[None, :]
-                tl.store(base + heads[:, None] * HEAD_DIM + dims[None, :], normed,
-                         mask=head_mask[:, None] & (dims < HEAD_DIM)[None, :])
-                tl.debug_barrier()  # the rotation below reads what was just stored
-            mask = head_mask[:, None] & half_mask[None, :]
-            first = base + heads[:, None] * HEAD_DIM + half[None, :]
-            x1 = tl.load(first, mask=mask, other=0.0)
-            x2 = tl.load(first + HALF_ROT, mask=mask, other=0.0)
-            c = cos[None, :].to(x1.dtype)
-            s = sin[None, :].to(x1.dtype)
-            tl.store(first, x1 * c - x2 * s, mask=mask)
-            tl.store(first + HALF_ROT, x2 * c + x1 * s, mask=mask)
+            head_valid = heads < num_heads
+            rotated = normed_rotated_heads(base, heads, HEAD_DIM, head_valid, dims, dim_valid, norm_ptr, cos_ptr,
+                                           sin_ptr, pos, eps, HEAD_DIM, HALF_ROT, HAS_NORM)
+            # In place: every thread's loads (a dim's rotation partner may be another warp's) land
+            # before any thread stores.
+            tl.debug_barrier()
+            tl.store(base + heads[:, None] * HEAD_DIM + dims[None, :], rotated,
+                     mask=head_valid[:, None] & dim_valid[None, :])
         if STORE_KV:
             tl.debug_barrier()  # the store reads the rotated k just written
             store_token_kv(
@@ -247,8 +234,7 @@ def norm_rope(
         q, k, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,
         cos_cache, sin_cache, positions, q.stride(0), k.stride(0), eps, *store_args,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF_ROT=half_rot,
-        HEADS_PADDED=triton.next_power_of_2(num_q_heads), HALF_PADDED=triton.next_power_of_2(half_rot),
-        DIM_PADDED=triton.next_power_of_2(head_dim), HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
+        HEADS_PADDED=triton.next_power_of_2(num_q_heads), DIM_PADDED=triton.next_power_of_2(head_dim), HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
         **store_constants, num_warps=4, **pdl.launch_options(q.device),
     )
     return q, k

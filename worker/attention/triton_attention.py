@@ -125,8 +125,8 @@ def normed_rotated_heads(
     """The head vectors at base_ptr + heads * stride_head ([len(heads), len(dims)] tile), each
     RMS-normed over its head_dim (HAS_NORM: Qwen3's q/k norm, weights at norm_ptr) and rotated by
     RoPE at `position` ("rotate half", HALF_ROT = rotary_dim / 2; cos/sin [max_position, HALF_ROT]).
-    The same operations in the same dtypes as ops.norm_rope, without its round trip through memory:
-    a dim's rotation partner (d +- HALF_ROT) is loaded as a second tile rather than sliced out."""
+    The body of ops.norm_rope's kernel, and of the decode kernel that rotates in registers: a dim's
+    rotation partner (d +- HALF_ROT) is loaded as a second tile rather than sliced out."""
     rotated = dims < 2 * HALF_ROT
     first_half = dims < HALF_ROT
     partner = tl.where(first_half, dims + HALF_ROT, tl.where(rotated, dims - HALF_ROT, dims))
