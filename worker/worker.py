@@ -70,6 +70,10 @@ class Worker:
         world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         device_index = rank if device_index is None else device_index
         device = resolve_device(config.device, device_index)
+        if device.type == "cpu":
+            from minivllm.worker.cpu_malloc import keep_freed_memory
+
+            keep_freed_memory()  # (each activation is a fresh allocation there: worker/cpu_malloc.py)
         # Data-parallel engines' workers share the host's cores too (when they run on the CPU).
         processes_on_cpu = world_size * config.data_parallel_size
         if world_size > 1 or processes_on_cpu > 1:
