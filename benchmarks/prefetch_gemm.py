@@ -45,7 +45,8 @@ def graph_us(fn, calls: int) -> float:
 def sweep() -> dict:
     torch.manual_seed(0)
     best = {}
-    print(f"{'rows':>4} {'N x K':>11} {'cuBLAS us':>9} {'rule us':>8} {'best us':>8}  best tile (m, n, k, warps, stages)")
+    print(f"{'rows':>4} {'N x K':>11} {'cuBLAS us':>9} {'rule us':>8} {'best us':>8}  "
+          "best tile (m, n, k, warps, stages)")
     for m in ROWS:
         bucket = max(16, triton.next_power_of_2(m))
         for n, k in SHAPES:

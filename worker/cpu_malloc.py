@@ -4,9 +4,9 @@ A CPU forward allocates every activation afresh (torch has no caching allocator 
 serves blocks above its mmap threshold (128 KiB at start, rising towards the largest block freed)
 with mmap and unmaps them at free, and trims its heap whenever more than 128 KiB is free at its
 top. Either way the next op's output lands on pages the kernel must fault in and zero again, one
-by one: an RMSNorm over [3200, 576] bf16 took 4.0 ms, 1.5 ms with freed memory kept; SmolLM2-135M
-bf16, 64 requests on a 2-core Sapphire Rapids: 391-392 -> 447-454 output tok/s. (vLLM's CPU
-guide has users preload tcmalloc for the same reason.)
+by one: an RMSNorm over [3200, 576] bf16 took 4.0 ms, 1.5 ms with freed memory kept. SmolLM2-135M
+on a 2-core Sapphire Rapids, 64 requests, alternating runs: bf16 +2-5%, fp32 +8-9% output tok/s
+(benchmarks/RESULTS.md). (vLLM's CPU guide has users preload tcmalloc for the same reason.)
 
 So a worker on the CPU raises the mmap threshold to glibc's cap (blocks up to 32 MiB come from the
 heap and are reused) and the trim threshold to 1 GiB. Setting only the trim threshold would be

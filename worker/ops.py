@@ -246,7 +246,8 @@ def norm_rope(
         q, k, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,
         cos_cache, sin_cache, positions, q.stride(0), k.stride(0), eps, *store_args,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF_ROT=half_rot,
-        HEADS_PADDED=triton.next_power_of_2(num_q_heads), DIM_PADDED=triton.next_power_of_2(head_dim), HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
+        HEADS_PADDED=triton.next_power_of_2(num_q_heads), DIM_PADDED=triton.next_power_of_2(head_dim),
+        HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
         **store_constants, num_warps=4, **pdl.launch_options(q.device),
     )
     return q, k

@@ -3,7 +3,7 @@ cores, with the weights fetched into L2 while the kernel before still runs. Opt-
 MINIVLLM_PREFETCH_GEMM=1 (Hopper, PDL on).
 
 At 64 rows a Qwen3-0.6B layer's four projections are ~30 MB of weights and ~2 GFLOP: ~10 us of
-bandwidth, against ~26 us that cuBLAS takes for them inside a CUDA graph on an H100 (6-8 us each).
+bandwidth, against ~28 us that cuBLAS takes for them inside a CUDA graph on an H100 (6-8 us each).
 Its kernels start cold one after the other, each reading its weights from HBM only once it runs.
 
 This kernel is launched with PDL (worker/pdl.py). Its programs start while the kernel before
@@ -16,8 +16,8 @@ faster than cuBLAS, so it runs only with PDL.
 
 Measured (benchmarks/prefetch_gemm.py, H100, 28 layers of norms and projections in one graph, us
 per layer): 64 rows 28.5 against cuBLAS's 33.1; 128 rows 35.9 against 34.6; 4 and 16 rows 53-55
-against 31-32 (too few rows for a tensor-core tile: the weights dominate, and the one-row kernel's
-CUDA-core loop reads them faster). So it takes MIN_ROWS..MAX_ROWS only. Tiles: `_tile`, the
+against 31-32 (a 16-row tensor-core tile is mostly padding there, and cuBLAS's kernels for few rows
+read the weights faster). So it takes MIN_ROWS..MAX_ROWS only. Tiles: `_tile`, the
 widest column block that still gives about one program per multiprocessor; in the same chain
 the benchmark's per-projection best tiles did worse than this rule.
 """

@@ -54,6 +54,19 @@ def assert_same_bits_with_pdl(pdl_switch, chain, make_args, base_cache: torch.Te
         assert torch.equal(out, plain_out) and torch.equal(cache, plain_cache), f"graph={graph}"
 
 
+def layer_parameters(hidden: int, dt: torch.dtype) -> tuple:
+    """A Qwen3-0.6B-shaped layer's weights (qkv, o, gate_up, down, q_norm, k_norm), its norm weight,
+    cos/sin tables and KV cache layout, on the GPU."""
+    from minivllm.worker.attention.kv_cache import KVCacheLayout
+
+    weights = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(dt) for n, k in
+               [(4096, hidden), (hidden, 2048), (6144, hidden), (hidden, 3072)]]
+    weights += [torch.rand(128, device="cuda").to(dt) + 0.5 for _ in range(2)]
+    norm_weight = torch.rand(hidden, device="cuda").to(dt) + 0.5
+    cos, sin = torch.rand(4096, 64, device="cuda"), torch.rand(4096, 64, device="cuda")
+    return weights, norm_weight, cos, sin, KVCacheLayout(block_size=16, num_kv_heads=8, head_dim=128, dtype=dt)
+
+
 def layer_chain(x, residual, weights, norm_weight, cos, sin, positions, kv_cache, layout, metadata, outputs):
     """One decoder layer's batch-1 kernels in order, each reading the one before: norm + qkv,
     q/k norm + RoPE + K/V store, decode attention, o, norm + gate_up, silu * mul + down."""
@@ -72,19 +85,12 @@ def layer_chain(x, residual, weights, norm_weight, cos, sin, positions, kv_cache
 
 
 def test_one_layer_chain_same_bits_with_pdl_eager_and_in_a_graph(pdl_switch) -> None:
-    from minivllm.worker.attention.kv_cache import KVCacheLayout
     from minivllm.worker.attention.metadata import AttentionMetadata
 
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     hidden, context, num_blocks = 1024, 200, 32
-    weights = [(torch.randn(n, k, device=dev) / k ** 0.5).to(dt) for n, k in
-               [(4096, hidden), (hidden, 2048), (6144, hidden), (hidden, 3072)]]
-    weights += [torch.rand(128, device=dev).to(dt) + 0.5 for _ in range(2)]
-    norm_weight = torch.rand(hidden, device=dev).to(dt) + 0.5
-    cos = torch.rand(4096, 64, device=dev)
-    sin = torch.rand(4096, 64, device=dev)
-    layout = KVCacheLayout(block_size=16, num_kv_heads=8, head_dim=128, dtype=dt)
+    weights, norm_weight, cos, sin, layout = layer_parameters(hidden, dt)
     block_table = torch.randperm(num_blocks, device=dev, dtype=torch.int32)[None, :]
     position = context - 1
     slot = int(block_table[0, position // 16]) * 16 + position % 16
@@ -131,7 +137,6 @@ def test_mixed_step_chain_same_bits_with_pdl_eager_and_in_a_graph(pdl_switch, mo
     short prompt's step runs, each launched with PDL (prefetch_gemm on, so the norms, SiLU-and-mul
     and attention take it too), give the bits they give without it."""
     from minivllm.worker import prefetch_gemm
-    from minivllm.worker.attention.kv_cache import KVCacheLayout
     from minivllm.worker.attention.metadata import AttentionMetadata
 
     monkeypatch.setattr(prefetch_gemm, "ENABLED", True)
@@ -139,12 +144,7 @@ def test_mixed_step_chain_same_bits_with_pdl_eager_and_in_a_graph(pdl_switch, mo
     torch.manual_seed(1)
     dev, dt = torch.device("cuda"), torch.bfloat16
     hidden, num_blocks, blocks_per_seq = 1024, 80, 16
-    weights = [(torch.randn(n, k, device=dev) / k ** 0.5).to(dt) for n, k in
-               [(4096, hidden), (hidden, 2048), (6144, hidden), (hidden, 3072)]]
-    weights += [torch.rand(128, device=dev).to(dt) + 0.5 for _ in range(2)]
-    norm_weight = torch.rand(hidden, device=dev).to(dt) + 0.5
-    cos, sin = torch.rand(4096, 64, device=dev), torch.rand(4096, 64, device=dev)
-    layout = KVCacheLayout(block_size=16, num_kv_heads=8, head_dim=128, dtype=dt)
+    weights, norm_weight, cos, sin, layout = layer_parameters(hidden, dt)
     contexts, new_tokens = [30, 0, 70, 5, 200], [30, 27, 1, 1, 1]  # cached before the step, and in it
     block_tables = torch.randperm(num_blocks, device=dev, dtype=torch.int32)[:5 * blocks_per_seq].view(5, -1)
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, new_tokens)]).to(dev)

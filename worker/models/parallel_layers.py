@@ -55,7 +55,7 @@ def projection(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                packed_weight: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T + b for a projection layer, on the path that suits it: oneDNN's packed weight on
     the CPU (worker/cpu_gemm.py), the one-row kernel for a single row on CUDA
-    (worker/small_batch_gemm.py), the prefetching one for a few to MAX_ROWS rows with PDL
+    (worker/small_batch_gemm.py), the prefetching one for a few dozen rows where it is on
     (worker/prefetch_gemm.py), else F.linear."""
     if packed_weight is not None:
         return cpu_gemm.linear(x, packed_weight, bias)
