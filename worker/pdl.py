@@ -30,6 +30,12 @@ def _capability(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The device's multiprocessor count (grids are sized by it, PDL or not)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL."""
     return ENABLED and device.type == "cuda" and _capability(device.index or 0) >= 9

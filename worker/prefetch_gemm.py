@@ -52,7 +52,7 @@ class Tile(NamedTuple):
     num_stages: int
 
 
-def _tile(m: int, n: int, k: int, num_sms: int = 132) -> Tile:
+def _tile(m: int, n: int, k: int, num_sms: int) -> Tile:
     """A tile for [m, k] x [n, k]^T: rows in one or more 64-row blocks, and the widest column block
     that still gives about one program per multiprocessor."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -64,10 +64,10 @@ def _tile(m: int, n: int, k: int, num_sms: int = 132) -> Tile:
     return Tile(block_m, block_n, block_k, 4, 4)
 
 
-def tile_for(m: int, n: int, k: int) -> Tile:
+def tile_for(m: int, n: int, k: int, device: torch.device) -> Tile:
     """By the row count's power-of-two bucket, so that a step run eagerly and the CUDA graph that
     pads it to a bucket take the same tile (the same bits)."""
-    return _tile(max(16, triton.next_power_of_2(m)), n, k)
+    return _tile(max(16, triton.next_power_of_2(m)), n, k, pdl.num_sms(device.index or 0))
 
 
 def starts_early(rows: int, device: torch.device) -> bool:
@@ -136,7 +136,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the benchmark's sweep)."""
     m, k = x.shape
     n = weight.shape[0]
-    tile = tile or tile_for(m, n, k)
+    tile = tile or tile_for(m, n, k, x.device)
     if k % tile.block_k:
         raise ValueError(f"K = {k} is not a multiple of BLOCK_K = {tile.block_k}")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)

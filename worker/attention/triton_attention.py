@@ -43,7 +43,6 @@ it loaded an FP8 value tile byte by byte and a scale per instruction.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -735,11 +734,6 @@ SHORT_CONTEXT_MAX_SPLITS = 8
 DECODE_FP8 = DecodeConfig(block_n=128, num_stages=2, maxnreg=128)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
     """Splits per sequence for a decode step: 1 when the batch's (sequence, KV head) programs fill
     the GPU a few times over by themselves, else the power of two that brings them near 4 per SM.
@@ -782,7 +776,7 @@ def decode_attention(
         # graph). Beyond 8 only long contexts gain from more.
         max_splits = config.max_splits if metadata.max_seq_len > DECODE_LONG_CONTEXT else \
             min(config.max_splits, SHORT_CONTEXT_MAX_SPLITS)
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, _num_sms(query.device.index or 0), max_splits)
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, pdl.num_sms(query.device.index or 0), max_splits)
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_padded, dtype=torch.float32,
@@ -798,7 +792,7 @@ def decode_attention(
     # grid also spans the prefill sequences).
     seq_order = None
     if not mixed and num_splits == 1 and config.longest_first and \
-            num_seqs * num_kv_heads > _num_sms(query.device.index or 0):
+            num_seqs * num_kv_heads > pdl.num_sms(query.device.index or 0):
         seq_order = metadata.longest_first()
     if rope is not None:
         key, value = rope.key, rope.value
