@@ -113,7 +113,7 @@ def main() -> None:
             compiled = compile_sm90(ta._paged_attention_kernel, ints, pointers, dict(
                 HEADS_PER_KV=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
                 BLOCK_Q=prefill.block_m // (HEADS // KV_HEADS), BLOCK_M=prefill.block_m, BLOCK_N=prefill.block_n,
-                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv, ACTIVE_SEQS=True, PDL=True), ("scale_log2e",),
+                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv, ACTIVE_SEQS=True), ("scale_log2e",),
                 prefill.num_warps, prefill.num_stages, prefill.maxnreg)
             report(f"prefill-{'fp8' if fp8 else 'bf16'}{'-fresh' if fresh_kv else ''}", compiled, args.out)
 

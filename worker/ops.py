@@ -10,9 +10,6 @@ again. On CUDA each op here is one kernel that reads its inputs once:
                    k and v into the paged KV cache (the attention backend's store, fused)
   silu_and_mul     silu(gate) * up from the fused gate|up projection
 
-The norm and SiLU-and-mul kernels launch with PDL (worker/pdl.py) where the projection after them
-is prefetch_gemm's, which starts early; norm_rope always does.
-
 The torch versions are the reference (and the CPU path); they follow HF's order of operations
 (statistics in fp32, cast back before the weight) so CPU results stay token-exact with HF.
 """
@@ -22,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.worker import pdl, prefetch_gemm
+from minivllm.worker import pdl
 
 try:
     import triton
@@ -105,21 +102,17 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, eps,
-                             N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # (worker/pdl.py) the norm's weight is no kernel's output: read before waiting
-            gdc_launch_dependents()
+                             N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
-        w = tl.load(weight_ptr + offs, mask=mask)
-        if PDL:
-            gdc_wait()
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
             tl.store(residual_ptr + row * stride_r + offs, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(weight_ptr + offs, mask=mask)
         tl.store(out_ptr + row * stride_o + offs, (xf * rstd).to(x.dtype) * w, mask=mask)
 
     @triton.jit
@@ -172,11 +165,7 @@ if triton is not None:
                 NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
-        if PDL:  # (worker/pdl.py) everything it reads is the kernel before's: it waits at once
-            gdc_launch_dependents()
-            gdc_wait()
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < N
@@ -204,7 +193,6 @@ def add_rms_norm(
         x, residual if residual is not None else x, out, weight, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, num_warps=4 if n <= 2048 else 8,
-        **pdl.launch_options(x.device, prefetch_gemm.starts_early(x.shape[0], x.device)),
     )
     return out, (residual if residual is not None else x)
 
@@ -261,7 +249,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return F.silu(gate).mul_(up)  # (in place on silu's fresh output: one buffer fewer)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
-        **pdl.launch_options(x.device, prefetch_gemm.starts_early(x.shape[0], x.device)))
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
     return out

@@ -44,7 +44,6 @@ def enabled(device: torch.device) -> bool:
 OFF = {"PDL": False}
 
 
-def launch_options(device: torch.device, wanted: bool = True) -> dict:
-    """The kernel's PDL constexpr and Triton's launch option, for `kernel[grid](..., **launch_options(dev))`;
-    `wanted`: whether this launch would gain from it (else OFF)."""
-    return {"PDL": True, "launch_pdl": True} if wanted and enabled(device) else OFF
+def launch_options(device: torch.device) -> dict:
+    """The kernel's PDL constexpr and Triton's launch option, for `kernel[grid](..., **launch_options(dev))`."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else OFF

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minivllm.worker import pdl, prefetch_gemm
+from minivllm.worker import pdl
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
 from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionBackend, AttentionMetadata, RopeInputs
 
@@ -360,16 +360,11 @@ def _paged_attention_kernel(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
     [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
     Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
-    have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched.
-    PDL (worker/pdl.py): every program waits for the kernel before at once (many return early)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched."""
     # Programs run roughly in launch order, and a causal tile's work grows with its position, so
     # the last tiles go first (every KV head's) and the short ones fill the tail. Sequence s owns
     # tiles up to query_start_loc[s + 1] // BLOCK_Q + s, so the active ones own fewer than
@@ -500,9 +495,8 @@ def _paged_decode_kernel(
     and the short ones fill the tail; a sequence's KV heads are neighbours on the grid's x.
 
     PDL (worker/pdl.py): the step's inputs (lengths, block tables) are read before waiting for the
-    kernel before, which writes the query and the newest keys and values. With MIXED every program
-    waits first, since most return at once (the prefill sequences'), and a program that returns
-    must have waited: the next kernel's wait covers the kernels before this one only so.
+    kernel before, which writes the query and the newest keys and values. Not with MIXED (whose
+    programs may return before they would wait).
 
     ROPE: the query and this step's key come straight from the qkv projection, and the kernel does
     what ops.norm_rope would have done in a kernel of its own before it: each program norms and
@@ -511,8 +505,6 @@ def _paged_decode_kernel(
     cache's slot is then what the store would have left there, e4m3 for an FP8 cache)."""
     if PDL:
         gdc_launch_dependents()
-        if MIXED:
-            gdc_wait()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -529,7 +521,7 @@ def _paged_decode_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     key_lo = split * tiles_per_split * BLOCK_N
     key_hi = tl.minimum(seq_len, key_lo + tiles_per_split * BLOCK_N)
-    if PDL and not MIXED:
+    if PDL:
         gdc_wait()
 
     offs_g = tl.arange(0, GROUP_PADDED)
@@ -820,7 +812,7 @@ def decode_attention(
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
-        **pdl.launch_options(query.device, not mixed or prefetch_gemm.starts_early(query.shape[0], query.device)),
+        **(pdl.OFF if mixed else pdl.launch_options(query.device)),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
@@ -881,7 +873,6 @@ def paged_attention(
         IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, FRESH_KV=fresh_kv,
         ACTIVE_SEQS=metadata.num_active_seqs is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
-        **pdl.launch_options(query.device, prefetch_gemm.starts_early(num_tokens, query.device)),
     )
     return out
 
