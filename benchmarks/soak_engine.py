@@ -179,7 +179,8 @@ def hostile_request_values(vocab_size: int, max_model_len: int) -> list[tuple[st
 
 class HostileTraffic:
     """Random messages for an engine, as frame lists a DEALER sends. Requests with hostile values
-    get ids starting "bad-"; each must be answered with an "invalid" error."""
+    get ids starting "bad-"; each must be answered with an "invalid" error, alone or in a batch
+    (AddRequests) beside valid requests and wrongly typed ones."""
 
     def __init__(self, seed: int, vocab_size: int, max_model_len: int, kv_capacity: int) -> None:
         self.rng = random.Random(seed)
@@ -199,39 +200,55 @@ class HostileTraffic:
                                     "seed": rng.randrange(100)},
                 "arrival_time": time.time()}
 
-    def next(self) -> tuple[list[bytes], str | None]:
-        """One message as frames, and the id of a hostile request in it (None if not one)."""
+    def _hostile_add(self) -> dict[str, Any]:
+        what, fields = self.rng.choice(self.hostile)
+        message = self._valid_add(f"bad-{self.counter}-{self.rng.randrange(10**9)}")
+        for key, value in fields.items():
+            if key == "sampling_params" and isinstance(value, dict):
+                message["sampling_params"] = {**message["sampling_params"], **value}
+            else:
+                message[key] = value
+        return message
+
+    def next(self) -> tuple[list[bytes], list[str]]:
+        """One message as frames, and the ids of the hostile requests in it."""
         rng = self.rng
         self.counter += 1
         kind = rng.random()
         enc = msgspec.msgpack.encode
         if kind < 0.15:  # random frame counts and bytes
-            return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 6))], None
+            return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 6))], []
         if kind < 0.25:  # random bytes as one payload
-            return [rng.randbytes(rng.randrange(0, 512))], None
+            return [rng.randbytes(rng.randrange(0, 512))], []
         if kind < 0.45:  # random msgpack
-            return [enc(_random_value(rng))], None
-        if kind < 0.80:  # a well-formed request with a hostile value
-            what, fields = rng.choice(self.hostile)
-            message = self._valid_add(f"bad-{self.counter}")
-            for key, value in fields.items():
-                if key == "sampling_params" and isinstance(value, dict):
-                    message["sampling_params"] = {**message["sampling_params"], **value}
+            return [enc(_random_value(rng))], []
+        if kind < 0.70:  # a well-formed request with a hostile value
+            message = self._hostile_add()
+            return [enc(message)], [message["request_id"]]
+        if kind < 0.80:  # a batch: hostile requests, valid ones, random values
+            items, hostile_ids = [], []
+            for _ in range(rng.randrange(0, 6)):
+                pick = rng.random()
+                if pick < 0.5:
+                    items.append(self._hostile_add())
+                    hostile_ids.append(items[-1]["request_id"])
+                elif pick < 0.8:
+                    items.append(self._valid_add(f"ok-{self.counter}-{len(items)}"))
                 else:
-                    message[key] = value
-            return [enc(message)], message["request_id"]
+                    items.append(_random_value(rng))
+            return [enc({"type": "add_many", "requests": items})], hostile_ids
         if kind < 0.88:  # a valid request that runs (a few tokens), or a duplicate of a live one
             if self.live_valid_ids and rng.random() < 0.2:
-                return [enc(self._valid_add(rng.choice(self.live_valid_ids)))], None
+                return [enc(self._valid_add(rng.choice(self.live_valid_ids)))], []
             request_id = f"ok-{self.counter}"
             self.live_valid_ids = (self.live_valid_ids + [request_id])[-8:]
-            return [enc(self._valid_add(request_id))], None
+            return [enc(self._valid_add(request_id))], []
         if kind < 0.94:  # aborts of ids that may or may not exist
             ids = [rng.choice(self.live_valid_ids + ["nope", ""]) for _ in range(rng.randrange(0, 4))]
-            return [enc({"type": "abort", "request_ids": ids})], None
+            return [enc({"type": "abort", "request_ids": ids})], []
         method = rng.choice(["get_stats", "check_health", "nope", "__init__", "shutdown", "get_engine_info"])
         return [enc({"type": "utility", "call_id": rng.randrange(2**31), "method": method,
-                     "args": [_random_value(rng) for _ in range(rng.randrange(0, 3))]})], None
+                     "args": [_random_value(rng) for _ in range(rng.randrange(0, 3))]})], []
 
 
 class Fuzzer:
@@ -272,11 +289,10 @@ class Fuzzer:
         for _ in range(count):
             if self.socket is None or self.sent % self.reconnect_every == 0:
                 self._connect()
-            frames, hostile_id = self.traffic.next()
+            frames, hostile_ids = self.traffic.next()
             self.socket.send_multipart(frames)
             self.sent += 1
-            if hostile_id is not None:
-                self.hostile_ids.add(hostile_id)
+            self.hostile_ids.update(hostile_ids)
             if self.sent % 50 == 0:
                 self._drain()
 

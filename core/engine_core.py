@@ -45,6 +45,7 @@ from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import remove_ipc_file
 from minivllm.protocol.messages import (
     AbortRequests,
+    AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -59,7 +60,7 @@ from minivllm.protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
-from minivllm.protocol.serial import encode, engine_input_decoder
+from minivllm.protocol.serial import encode, engine_input_decoder, request_decoder
 from minivllm.protocol.validation import (
     MAX_REQUEST_ID_LENGTH,
     WIRE_REQUEST_ID_OVERHEAD,
@@ -442,22 +443,10 @@ class EngineCoreProc(EngineCore):
             return
         self.clients.add(identity)
         if isinstance(message, EngineCoreRequest):
-            request_id = message.request_id
-            if request_id in self.request_owner:  # live: the id must not be taken from its owner
-                self._release_pending(1)
-                self._refuse(identity, request_id, ERROR_INVALID,
-                             f"request id {request_id!r} is already in use by a live request; give each its own id.")
-                return
-            self.request_owner[request_id] = identity
-            self.client_requests.setdefault(identity, set()).add(request_id)
-            try:
-                self.add_request(message)
-            except Exception as e:  # validated already; whatever still fails, fails alone
-                if isinstance(e, ValueError):
-                    self.log_rejected("rejected request %s: %s", request_id, e)
-                else:
-                    logger.exception("rejected request %s", request_id)
-                self._send_outputs([refusal(request_id, ERROR_INVALID, str(e))])
+            self._handle_request(identity, message)
+        elif isinstance(message, AddRequests):  # (the admitted ones: all before the next step)
+            for request in message.requests:
+                self._handle_request(identity, request)
         elif isinstance(message, AbortRequests):
             # Finished and unknown ids are ignored. Not only the sending connection's own: a
             # frontend aborts through a second connection while another thread holds its first.
@@ -469,6 +458,25 @@ class EngineCoreProc(EngineCore):
         elif isinstance(message, Shutdown):
             logger.info("shutdown requested")
             self.stopping.set()
+
+    def _handle_request(self, identity: bytes, request: EngineCoreRequest) -> None:
+        """An admitted request: into the scheduler, unless its id is live already."""
+        request_id = request.request_id
+        if request_id in self.request_owner:  # live: the id must not be taken from its owner
+            self._release_pending(1)
+            self._refuse(identity, request_id, ERROR_INVALID,
+                         f"request id {request_id!r} is already in use by a live request; give each its own id.")
+            return
+        self.request_owner[request_id] = identity
+        self.client_requests.setdefault(identity, set()).add(request_id)
+        try:
+            self.add_request(request)
+        except Exception as e:  # validated already; whatever still fails, fails alone
+            if isinstance(e, ValueError):
+                self.log_rejected("rejected request %s: %s", request_id, e)
+            else:
+                logger.exception("rejected request %s", request_id)
+            self._send_outputs([refusal(request_id, ERROR_INVALID, str(e))])
 
     def _forget_client(self, identity: bytes) -> None:
         """A frontend vanished without detaching: abort its requests (freeing their blocks)."""
@@ -523,11 +531,6 @@ class EngineCoreProc(EngineCore):
 
     # -- the I/O threads -------------------------------------------------------------------------
 
-    def _max_message_bytes(self) -> int:
-        """The largest message a valid request can need (a prompt of max_model_len tokens, a
-        logit_bias over the whole vocabulary, ...) with room to spare; ZMQ drops peers that send more."""
-        return (1 << 20) + 9 * self.config.max_model_len + 40 * self.config.vocab_size
-
     def _make_router(self) -> tuple[zmq.Socket, zmq.Socket]:
         router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
@@ -540,7 +543,7 @@ class EngineCoreProc(EngineCore):
         # bounds this queue. (A send high-water mark would drop a slow frontend's tokens -- or
         # the finish its generate() waits for.)
         router.setsockopt(zmq.SNDHWM, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes())
+        router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         # ZMTP heartbeats: a frontend that stops answering (a stopped process, a vanished host) is
         # disconnected within seconds, like one whose process died.
         router.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
@@ -637,34 +640,64 @@ class EngineCoreProc(EngineCore):
         try:
             message = engine_input_decoder.decode(payload)
         except Exception as e:  # msgspec.DecodeError / ValidationError, or worse for hostile bytes
-            request_id = _salvage_request_id(payload)
-            if request_id is None:
-                self.log_dropped("dropped a message that does not decode: %.200s", e)
-            else:  # a request with wrong types or values: tell its sender
-                self.log_rejected("rejected request %.100s: %.200s", request_id, e)
-                self._answer_refused(router, identity, request_id, ERROR_INVALID, f"invalid request: {e}")
-            return
-        if isinstance(message, EngineCoreRequest):
-            try:
-                validate_request(message, self.limits, wire=True)
-            except ValueError as e:
-                self.log_rejected("rejected request %.100s: %s", message.request_id, e)
-                self._answer_refused(router, identity, message.request_id, ERROR_INVALID, str(e))
+            raw = _decode_untyped(payload)
+            if _is_batch(raw):  # each request of a batch on its own
+                message = AddRequests(self._decode_batch(router, identity, raw["requests"]))
+            else:
+                self._refuse_undecodable(router, identity, raw, e)
                 return
-            with self.pending_lock:
-                admitted = self.num_pending < self.config.max_pending_requests
-                if admitted:
-                    self.num_pending += 1
-            if not admitted:
-                self.log_rejected("refused request %.100s: overloaded (%d pending)", message.request_id,
-                                  self.config.max_pending_requests)
-                self._answer_refused(
-                    router, identity, message.request_id, ERROR_OVERLOADED,
-                    f"the engine is overloaded: it holds max_pending_requests={self.config.max_pending_requests} "
-                    "requests (running + waiting); retry later.")
+        if isinstance(message, EngineCoreRequest) and not self._admit(router, identity, message):
+            return
+        if isinstance(message, AddRequests):
+            message.requests = [r for r in message.requests if self._admit(router, identity, r)]
+            if not message.requests:
                 return
         self.peers.add(identity)
         self._enqueue(identity, message)
+
+    def _admit(self, router: zmq.Socket, identity: bytes, request: EngineCoreRequest) -> bool:
+        """Check a request and count it as pending; else answer its sender why not."""
+        try:
+            validate_request(request, self.limits, wire=True)
+        except ValueError as e:
+            self.log_rejected("rejected request %.100s: %s", request.request_id, e)
+            self._answer_refused(router, identity, request.request_id, ERROR_INVALID, str(e))
+            return False
+        with self.pending_lock:
+            admitted = self.num_pending < self.config.max_pending_requests
+            if admitted:
+                self.num_pending += 1
+        if not admitted:
+            self.log_rejected("refused request %.100s: overloaded (%d pending)", request.request_id,
+                              self.config.max_pending_requests)
+            self._answer_refused(
+                router, identity, request.request_id, ERROR_OVERLOADED,
+                f"the engine is overloaded: it holds max_pending_requests={self.config.max_pending_requests} "
+                "requests (running + waiting); retry later.")
+        return admitted
+
+    def _decode_batch(self, router: zmq.Socket, identity: bytes, items: list) -> list[EngineCoreRequest]:
+        """The requests of a batch that failed typed decoding as a whole, decoded one by one: those
+        that decode, and an answer to the sender of each one that does not."""
+        requests = []
+        for item in items:
+            if isinstance(item, dict) and "type" not in item:  # (a batch's requests may leave out their tag)
+                item = {**item, "type": "add"}
+            try:
+                requests.append(request_decoder.decode(encode(item)))
+            except Exception as e:
+                self._refuse_undecodable(router, identity, item, e)
+        return requests
+
+    def _refuse_undecodable(self, router: zmq.Socket, identity: bytes, raw: Any, error: Exception) -> None:
+        """A message that failed typed decoding (`raw`: as plain msgpack, or None): if it reads as
+        a request with an id, its sender is told why; anything else is dropped."""
+        request_id = _salvage_request_id(raw)
+        if request_id is None:
+            self.log_dropped("dropped a message that does not decode: %.200s", error)
+        else:  # a request with wrong types or values: tell its sender
+            self.log_rejected("rejected request %.100s: %.200s", request_id, error)
+            self._answer_refused(router, identity, request_id, ERROR_INVALID, f"invalid request: {error}")
 
     def _answer_refused(self, router: zmq.Socket, identity: bytes, request_id: str, error_type: str,
                         error: str) -> None:
@@ -687,13 +720,21 @@ def refusal(request_id: str, error_type: str, error: str) -> EngineCoreOutput:
     return EngineCoreOutput(request_id, [], finish_reason=FINISH_ABORT, error_type=error_type, error=error)
 
 
-def _salvage_request_id(payload: bytes) -> str | None:
-    """The request id of an "add" message that failed typed decoding, if one can be read, so its
-    sender gets an answer instead of waiting forever."""
+def _decode_untyped(payload: bytes) -> Any:
+    """The payload as plain msgpack values, or None if it is not msgpack."""
     try:
-        raw = msgspec.msgpack.decode(payload)
+        return msgspec.msgpack.decode(payload)
     except Exception:
         return None
+
+
+def _is_batch(raw: Any) -> bool:
+    return isinstance(raw, dict) and raw.get("type") == "add_many" and isinstance(raw.get("requests"), list)
+
+
+def _salvage_request_id(raw: Any) -> str | None:
+    """The request id of an "add" message (plain msgpack values) that failed typed decoding, if one
+    can be read, so its sender gets an answer instead of waiting forever."""
     if isinstance(raw, dict) and raw.get("type") == "add":
         request_id = raw.get("request_id")
         if isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH + WIRE_REQUEST_ID_OVERHEAD:

@@ -46,6 +46,7 @@ from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import (
     AbortRequests,
+    AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -56,6 +57,7 @@ from minivllm.protocol.messages import (
     UtilityResult,
 )
 from minivllm.protocol.serial import encode, engine_output_decoder
+from minivllm.protocol.validation import EngineLimits
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +251,30 @@ class EngineCoreClient(EngineCoreClientBase):
         with self.ids_lock:  # abortable only once sent, so an abort never precedes its add here
             self.live_request_ids.add(request.request_id)
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Send requests together, as one AddRequests message: the engine puts them all in its
+        scheduler before its next step, so a batch starts as one. (A batch over the largest message
+        the engine takes is split in halves, each sent whole.)"""
+        if len(requests) == 1:
+            self.add_request(requests[0])
+            return
+        wire = [msgspec.structs.replace(r, request_id=self.prefix + r.request_id) for r in requests]
+        limit = EngineLimits.from_engine_info(self.engine_info).max_message_bytes if self.engine_info else 1 << 20
+        with self.io_lock:
+            self._check_alive()
+            self._send_batch(wire, limit)
+        with self.ids_lock:
+            self.live_request_ids.update(r.request_id for r in requests)
+
+    def _send_batch(self, requests: list[EngineCoreRequest], limit: int) -> None:
+        data = encode(AddRequests(requests))
+        if len(data) > limit and len(requests) > 1:
+            half = len(requests) // 2
+            self._send_batch(requests[:half], limit)
+            self._send_batch(requests[half:], limit)
+        else:
+            self._send(data)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort these of this client's requests (others are ignored). Any thread may call it."""
         with self.ids_lock:
@@ -315,8 +341,9 @@ class EngineCoreClient(EngineCoreClientBase):
     def _send(self, message: Any) -> None:
         """Send, waiting for room while watching the connection events. A DEALER blocks a send
         while it has no connection to queue on, and after a refused handshake (a wrong or missing
-        key) it never gets one: a plain blocking send would hang where the monitor says why."""
-        data = encode(message)
+        key) it never gets one: a plain blocking send would hang where the monitor says why.
+        (`message` may be encoded already.)"""
+        data = message if isinstance(message, bytes) else encode(message)
         poller = None
         while True:
             try:

@@ -245,9 +245,10 @@ class LLM:
             # way of a batch-1 request's first token.)
             with (tqdm(total=len(requests), desc="Generating", unit="req") if use_tqdm else _NoProgressBar()) as bar:
                 while output_processor.has_unfinished_requests():
-                    while unsent and in_flight < window:
-                        self.client.add_request(unsent.popleft())
-                        in_flight += 1
+                    if unsent and in_flight < window:  # together: the engine starts them as one batch
+                        batch = [unsent.popleft() for _ in range(min(len(unsent), window - in_flight))]
+                        self.client.add_requests(batch)
+                        in_flight += len(batch)
                     outputs = self.client.get_outputs()
                     for out in outputs:
                         if out.finish_reason is None or out.request_id not in output_processor.requests:

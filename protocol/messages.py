@@ -1,7 +1,7 @@
 """Every message that crosses a socket, as msgspec Structs (msgpack on the wire, never pickle).
 
 Two conversations:
-  frontend <-> EngineCore : EngineCoreRequest / AbortRequests / UtilityCall / Shutdown in,
+  frontend <-> EngineCore : EngineCoreRequest / AddRequests / AbortRequests / UtilityCall / Shutdown in,
                             EngineCoreOutputs out.
   EngineCore <-> workers  : SchedulerOutput / WorkerCall / Shutdown in,
                             ModelRunnerOutput / WorkerReply out.
@@ -41,6 +41,15 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class AddRequests(msgspec.Struct, tag="add_many"):
+    """Requests sent together (LLM.generate's batch): the engine admits them in one go, so they
+    are all in the scheduler before its next step, whatever the timing (sent one by one, the first
+    would start alone while the rest are on their way, and a batch's steps would depend on timing).
+    Each is checked, admitted or refused on its own, as if it came alone."""
+
+    requests: list[EngineCoreRequest]
+
+
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
@@ -57,7 +66,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Stop the process that receives it (the EngineCore, or a worker)."""
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+EngineCoreInput = EngineCoreRequest | AddRequests | AbortRequests | UtilityCall | Shutdown
 
 # ---------------------------------------------------------------- EngineCore -> frontend
 

@@ -122,6 +122,13 @@ class EngineLimits:
     block_size: int
     scheduling_policy: str = "fcfs"
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message the engine takes (ZMQ drops a peer that sends more): what one valid
+        request can need (a prompt of max_model_len tokens, a logit_bias over the whole vocabulary,
+        ...) with room to spare. A frontend keeps its AddRequests batches below it."""
+        return (1 << 20) + 9 * self.max_model_len + 40 * self.vocab_size
+
     @classmethod
     def from_engine_info(cls, info: "EngineInfo") -> "EngineLimits":
         return cls(vocab_size=info.vocab_size, max_model_len=info.max_model_len, num_gpu_blocks=info.num_gpu_blocks,

@@ -137,6 +137,59 @@ def test_malformed_frames_get_no_answer_and_break_nothing(open_engine) -> None:
     assert proc.poll() is None
 
 
+def _raw_add(request_id: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"type": "add", "request_id": request_id, "prompt_token_ids": prompt, "arrival_time": time.time(),
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+
+
+def _finished_by_message(sock: zmq.Socket, count: int, timeout_s: float = 30.0) -> dict[str, tuple[int, object]]:
+    """Read outputs until `count` requests finished: request id -> (which message, its last output)."""
+    finished, index = {}, 0
+    deadline = time.monotonic() + timeout_s
+    while len(finished) < count:
+        assert sock.poll(max(0.0, deadline - time.monotonic()) * 1000), f"only {sorted(finished)} finished"
+        answer = msgspec.msgpack.decode(sock.recv(), type=EngineCoreOutputs)
+        if answer == EngineCoreOutputs():  # a liveness probe (see above)
+            continue
+        index += 1
+        for out in answer.outputs:
+            if out.finish_reason is not None:
+                finished[out.request_id] = (index, out)
+    return finished
+
+
+def test_a_batch_starts_in_one_step_and_each_request_is_judged_alone(open_engine) -> None:
+    """AddRequests, what LLM.generate sends: the valid requests are all in the scheduler before its
+    next step, so their one-token answers come back in one message (sent one by one, the first
+    starts alone). In the same batch a request with a hostile value and a wrongly typed one are
+    each refused with their reason, and random values are dropped."""
+    address, proc = open_engine
+    ctx = zmq.Context()
+    ctx.linger = 0
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        for attempt in range(5):
+            valid = [_raw_add(f"batch{attempt}-{i}", [i + 1] * (i + 2), max_tokens=1) for i in range(6)]
+            hostile = _raw_add(f"hostile{attempt}", [1, 10**6], max_tokens=1)
+            mistyped = {**_raw_add(f"mistyped{attempt}", [1], max_tokens=1), "prompt_token_ids": "not ids"}
+            sock.send(msgspec.msgpack.encode({"type": "add_many", "requests": [
+                *valid[:3], hostile, 17, mistyped, *valid[3:]]}))
+            finished = _finished_by_message(sock, 8)
+            messages = {finished[r["request_id"]][0] for r in valid}
+            assert len(messages) == 1, f"the batch's answers came in {len(messages)} messages"
+            for r in valid:
+                out = finished[r["request_id"]][1]
+                assert out.finish_reason == "length" and out.error is None and len(out.new_token_ids) == 1
+            out = finished[f"hostile{attempt}"][1]
+            assert out.error_type == "invalid" and "outside the vocabulary; ids must be in [0, 512)" in out.error
+            out = finished[f"mistyped{attempt}"][1]
+            assert out.error_type == "invalid" and out.error.startswith("invalid request: ")
+    finally:
+        ctx.destroy(linger=0)
+    assert proc.poll() is None
+
+
 def test_killed_frontend_has_its_requests_aborted_and_blocks_freed(open_engine) -> None:
     address, _ = open_engine
     with LLM(engine_address=address) as observer:
@@ -210,15 +263,17 @@ def test_flood_is_refused_as_overloaded_with_bounded_memory(keyed_engine) -> Non
         outs = llm.generate(["Hello"] * (3 * MAX_PENDING), GREEDY, use_tqdm=False)
         assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
 
-        # With the engine full of somebody else's requests, a new one is refused as overloaded.
+        # With the engine full of somebody else's requests, a new one is refused as overloaded. The
+        # hog sends one batch past the bound: the requests past it are refused, each on its own.
         hog = zmq.Context()
         sock = hog.socket(zmq.DEALER)
         CurveKeys(KEY).make_client(sock)
         sock.connect(address)
-        for i in range(MAX_PENDING):
-            sock.send(msgspec.msgpack.encode({
-                "type": "add", "request_id": f"hog-{i}", "prompt_token_ids": [1, 2, 3], "arrival_time": time.time(),
-                "sampling_params": {"max_tokens": 100, "ignore_eos": True}}))
+        sock.send(msgspec.msgpack.encode({"type": "add_many", "requests": [
+            _raw_add(f"hog-{i}", [1, 2, 3], max_tokens=100) for i in range(MAX_PENDING + 4)]}))
+        refused = _finished_by_message(sock, 4)
+        assert sorted(refused) == [f"hog-{i}" for i in range(MAX_PENDING, MAX_PENDING + 4)]
+        assert all(out.error_type == "overloaded" for _, out in refused.values())
         deadline = time.monotonic() + 10
         while (s := llm.get_stats()).num_running_reqs + s.num_waiting_reqs < MAX_PENDING:
             assert time.monotonic() < deadline

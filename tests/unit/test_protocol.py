@@ -11,6 +11,7 @@ import pytest
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import (
     AbortRequests,
+    AddRequests,
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -52,6 +53,8 @@ def test_core_imports_no_torch() -> None:
                            arrival_time=1.5, priority=-3, cache_salt="s"), engine_input_decoder),
         (EngineCoreRequest(request_id="a", prompt_token_ids=[1], arrival_time=1.5,
                            sampling_params=SamplingParams(output_kind=RequestOutputKind.DELTA)), engine_input_decoder),
+        (AddRequests([EngineCoreRequest(request_id=i, prompt_token_ids=[1], sampling_params=SamplingParams(),
+                                        arrival_time=1.5) for i in "ab"]), engine_input_decoder),
         (AbortRequests(["a", "b"]), engine_input_decoder),
         (UtilityCall(7, "get_engine_info"), engine_input_decoder),
         (Shutdown(), engine_input_decoder),
