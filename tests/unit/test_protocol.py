@@ -158,3 +158,19 @@ def test_engine_config_scheduler_defaults(tiny_llama, tiny_model_factory) -> Non
 def test_engine_config_needs_a_model_dir(tmp_path) -> None:
     with pytest.raises(ValueError, match="model must be a directory"):
         EngineConfig.create(str(tmp_path / "nope"))
+
+
+def test_a_batch_over_the_engines_message_limit_goes_in_whole_halves() -> None:
+    """EngineCoreClient._send_batch: each message under the limit, every request once, in order."""
+    from minivllm.frontend.core_client import EngineCoreClient
+
+    requests = [EngineCoreRequest(request_id=str(i), prompt_token_ids=list(range(1, 200)), arrival_time=0.0,
+                                  sampling_params=SamplingParams()) for i in range(13)]
+    limit = len(encode(AddRequests(requests[:4]))) + 1
+    sent: list[bytes] = []
+    client = EngineCoreClient.__new__(EngineCoreClient)  # (no engine: only the splitting runs)
+    client._send = sent.append
+    client._send_batch(requests, limit)
+    assert len(sent) > 1 and all(len(payload) <= limit for payload in sent)
+    received = [r.request_id for payload in sent for r in engine_input_decoder.decode(payload).requests]
+    assert received == [r.request_id for r in requests]
