@@ -104,6 +104,10 @@ class ModelRunner:
         self.stage = make_pipeline_stage(config, self.model, self.dtype, self.device)
         self.kv_layout = KVCacheLayout(config.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype,
                                        fp8=config.kv_cache_dtype != "auto")
+        if self.device.type == "cpu":  # build the CPU decode kernel now, if it will serve, not in the first step
+            from minivllm.worker.attention import cpu_decode
+
+            cpu_decode.prepare(self.kv_layout)
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.seed_rng = np.random.default_rng(config.seed)  # row seeds of the fused CUDA sampler

@@ -129,6 +129,7 @@ def test_wheel_installs_one_package_and_its_children_run_from_it(tmp_path: Path,
             rel = init.relative_to(REPO_ROOT).as_posix()
             assert f"minivllm/{rel}" in names, f"{rel} is missing from the wheel: list it in pyproject.toml"
     assert "minivllm/__init__.py" in names
+    assert "minivllm/worker/attention/cpu_decode.cpp" in names  # (built on the machine that runs it)
 
     target = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile",

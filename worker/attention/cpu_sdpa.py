@@ -15,6 +15,9 @@ SDPA, whose CPU kernel is a tiled flash attention:
   its `seq_len` positions, so the causal mask is shifted by the cached prefix (plain
   is_causal when there is none).
 
+With a 16-bit cache the decodes skip all that: cpu_decode.py's kernel reads their keys and
+values in place from the blocks, all decodes in one call.
+
 Which rows are decodes, and the gather indices, depend only on the step, not the layer: they
 are worked out once per step (for the first layer) and reused by the others.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minivllm.worker.attention import cpu_decode
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
 from minivllm.worker.attention.kv_cache import gather, write_kv
 
@@ -46,14 +50,17 @@ class DecodeGroup:
 
 @dataclass
 class StepPlan:
-    decodes: list[DecodeGroup]
+    decodes: list[DecodeGroup]  # for SDPA (none when the kernel takes the decodes)
     prefills: list[PrefillChunk]
+    decode_rows: torch.Tensor  # [n] int64: every decode's query row, for cpu_decode's kernel
+    decode_seqs: torch.Tensor  # [n] int64: its sequence
 
 
 MAX_DECODE_GROUPS = 4
 
 
-def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+def plan_step(metadata: AttentionMetadata, block_size: int, decode_groups: bool = True) -> StepPlan:
+    """decode_groups: also the decodes' SDPA groups (not needed when the kernel takes them)."""
     query_start = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     block_tables = metadata.block_tables.long()
@@ -72,6 +79,10 @@ def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
             mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
         prefills.append(PrefillChunk(slice(start, end), slots, mask))
 
+    decode_rows = torch.tensor([query_start[i] for i in decode_seqs], dtype=torch.long)
+    decode_seq_ids = torch.tensor(decode_seqs, dtype=torch.long)
+    if not decode_groups:
+        return StepPlan([], prefills, decode_rows, decode_seq_ids)
     # Longest first; a new group starts where a context is under half the group's longest.
     decode_seqs.sort(key=lambda i: -seq_lens[i])
     groups: list[list[int]] = []
@@ -88,7 +99,7 @@ def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
         real = torch.arange(longest)[None, :] < lens[:, None]
         decodes.append(DecodeGroup(torch.tensor([query_start[i] for i in group], dtype=torch.long),
                                    torch.where(real, slots, slots[:, :1]), real[:, None, None, :]))
-    return StepPlan(decodes, prefills)
+    return StepPlan(decodes, prefills, decode_rows, decode_seq_ids)
 
 
 class SdpaAttentionBackend(AttentionBackend):
@@ -96,9 +107,10 @@ class SdpaAttentionBackend(AttentionBackend):
 
     name = "cpu-sdpa"
 
-    def plan(self, metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    def plan(self, metadata: AttentionMetadata, block_size: int, decode_groups: bool = True) -> StepPlan:
         """The step's plan: worked out by its first layer, reused by the others."""
-        return metadata.derived(("cpu-sdpa plan", block_size), lambda: plan_step(metadata, block_size))
+        return metadata.derived(("cpu-sdpa plan", block_size, decode_groups),
+                                lambda: plan_step(metadata, block_size, decode_groups))
 
     def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               metadata: AttentionMetadata) -> None:
@@ -108,10 +120,15 @@ class SdpaAttentionBackend(AttentionBackend):
                scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
         """(Every key from the cache: key and value are not read.)"""
         layout = metadata.layout(kv_cache)
-        plan = self.plan(metadata, layout.block_size)
+        kernel = cpu_decode.supports(query, layout)
+        plan = self.plan(metadata, layout.block_size, decode_groups=not kernel)
         views = layout.split(kv_cache)  # an FP8 cache is dequantized to the query's dtype as it is gathered
         gqa = query.shape[1] != layout.num_kv_heads
         out = torch.empty_like(query)
+
+        if kernel and len(plan.decode_rows):
+            cpu_decode.decode_attention(query, views, metadata.block_tables, metadata.seq_lens, plan.decode_rows,
+                                        plan.decode_seqs, scale, out)
 
         for group in plan.decodes:
             # [decodes, heads, 1, dim] against [decodes, kv_heads, longest, dim]
