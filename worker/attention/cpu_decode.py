@@ -1,4 +1,4 @@
-"""Decode attention on the CPU straight from the paged cache: cpu_decode.cpp, built on first use.
+"""Decode attention on the CPU straight from the paged cache: cpu_decode.cpp, built at worker start.
 
 A CPU decode step's attention through SDPA pays twice: every layer copies each sequence's K/V out
 of the cache blocks into contiguous tensors (an index_select as long as the whole read), then runs
