@@ -265,7 +265,10 @@ class Fuzzer:
 
     def _connect(self) -> None:
         if self.socket is not None:
+            # This identity's answers go only to this socket: before closing it, wait for every
+            # hostile request sent on it to be answered (a busy engine may take more than a moment).
             self._drain(0.2)
+            self.unanswered()
             self.socket.close(linger=0)
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
