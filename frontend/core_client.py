@@ -244,26 +244,19 @@ class EngineCoreClient(EngineCoreClientBase):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        with self.io_lock:
-            self._check_alive()
-            self._send(msgspec.structs.replace(request, request_id=self.prefix + request.request_id))
-        with self.ids_lock:  # abortable only once sent, so an abort never precedes its add here
-            self.live_request_ids.add(request.request_id)
-
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """Send requests together, as one AddRequests message: the engine puts them all in its
-        scheduler before its next step, so a batch starts as one. (A batch over the largest message
-        the engine takes is split in halves, each sent whole.)"""
-        if len(requests) == 1:
-            self.add_request(requests[0])
-            return
+        """Send requests together: one alone as itself, several as one AddRequests message, which
+        the engine puts in its scheduler whole before its next step, so a batch starts as one. (A
+        batch over the largest message the engine takes is split in halves, each sent whole.)"""
         wire = [msgspec.structs.replace(r, request_id=self.prefix + r.request_id) for r in requests]
-        limit = EngineLimits.from_engine_info(self.engine_info).max_message_bytes if self.engine_info else 1 << 20
         with self.io_lock:
             self._check_alive()
-            self._send_batch(wire, limit)
-        with self.ids_lock:
+            if len(wire) == 1:
+                self._send(wire[0])
+            else:
+                info = self.engine_info
+                self._send_batch(wire, EngineLimits.from_engine_info(info).max_message_bytes if info else 1 << 20)
+        with self.ids_lock:  # abortable only once sent, so an abort never precedes its add here
             self.live_request_ids.update(r.request_id for r in requests)
 
     def _send_batch(self, requests: list[EngineCoreRequest], limit: int) -> None:

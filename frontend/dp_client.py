@@ -252,15 +252,8 @@ class DPEngineCoreClient:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._check_alive()
-        index = self.balancer.pick()
-        self.cores[index].add_request(request)
-        self.balancer.added(index)
-        self._maybe_request_load_report(index)
-
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """Spread over the cores as add_request would, each core's share sent as one batch."""
+        """Each to the least loaded core at its turn, each core's share sent as one batch."""
         self._check_alive()
         shares: dict[int, list[EngineCoreRequest]] = {}
         for request in requests:
@@ -268,16 +261,13 @@ class DPEngineCoreClient:
             shares.setdefault(index, []).append(request)
             self.balancer.added(index)
         for index, share in shares.items():
-            self.cores[index].add_requests(share)
-            self._maybe_request_load_report(index)
-
-    def _maybe_request_load_report(self, index: int) -> None:
-        core = self.cores[index]
-        if self.balancer.report_due(index, time.monotonic()) and core.io_lock.acquire(blocking=False):
-            try:
-                core.request_load_report()
-            finally:
-                core.io_lock.release()
+            core = self.cores[index]
+            core.add_requests(share)
+            if self.balancer.report_due(index, time.monotonic()) and core.io_lock.acquire(blocking=False):
+                try:
+                    core.request_load_report()
+                finally:
+                    core.io_lock.release()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Each core is told only of its own requests among these."""
