@@ -44,6 +44,21 @@ def test_worker_in_the_engine_process_equals_worker_processes(tiny_model_factory
     assert generate(model_dir, device="cuda", distributed_executor_backend="uni") == generate(model_dir, device="cuda")
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_lm_head_warmed_up_for_every_row_count(tiny_model_factory, enforce_eager: bool) -> None:
+    """initialize_cache runs the LM head once for each number of rows an eager step can sample, so
+    no step meets a cuBLAS kernel for the first time (its lazy load waits for the device to go idle,
+    which stalled the first prompt steps of a fresh engine)."""
+    config = EngineConfig.create(tiny_model_factory("qwen3"), device="cuda", dtype="bfloat16", num_gpu_blocks=64,
+                                 max_num_seqs=12, max_num_batched_tokens=256, enforce_eager=enforce_eager)
+    runner = ModelRunner(config)
+    rows_seen = []
+    compute_logits = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: rows_seen.append(h.shape[0]) or compute_logits(h)
+    runner.initialize_cache(64)
+    assert set(rows_seen) == set(range(1, 13))
+
+
 def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
     """bf16 rounds differently in any two implementations (and in one, for different batch shapes),
     so the check is on logprobs: the first step's logprobs are within BF16_LOGPROB_TOLERANCE of HF's
