@@ -88,9 +88,11 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+# head_dim 96: rows past the head's 96 padded to 128; block size 7: tiles that blocks do not tile
+# (values read key by key, not block by block)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("heads_per_kv", [1, 4])
-@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize("block_size", [16, 32, 7])
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
 def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     """kv_cache_dtype="fp8": store_kv quantizes as the reference does (to within one e4m3 step

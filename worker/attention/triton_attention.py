@@ -194,33 +194,73 @@ def _tile_slots(key_start, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _fp8_value_tile(
+    v_cache_ptr, block_table, key_start, num_keys, kv_head, stride_cache_block, stride_v_slot, stride_v_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The values [BLOCK_N, HEAD_DIM_PADDED] (e4m3) of keys [key_start, key_start + BLOCK_N) from an
+    FP8 cache, BLOCK_N a multiple of BLOCK_SIZE. Values are stored transposed (kv_cache.py): a
+    head's block is HEAD_DIM rows of BLOCK_SIZE consecutive tokens, so the tile is one contiguous
+    run of HEAD_DIM * BLOCK_SIZE bytes per block, and it is loaded as such runs (the launcher checks
+    the rows are adjacent), consecutive threads reading consecutive bytes. (Loaded as [dim, key],
+    the compiler gave consecutive threads the same row of consecutive blocks: each thread's 16
+    bytes were half a 32-byte sector, every sector was fetched twice, and the decode kernel stopped
+    at 2.2 TB/s.) MASKED: only blocks holding keys below num_keys are read; the rest read as 0."""
+    BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    block_index = key_start // BLOCK_SIZE + tl.arange(0, BLOCKS)
+    offs_run = tl.arange(0, HEAD_DIM_PADDED * BLOCK_SIZE)  # (dim, slot) of a block's values
+    if MASKED:
+        valid = block_index * BLOCK_SIZE < num_keys
+        block_ids = tl.load(block_table + block_index, mask=valid, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(block_table + block_index).to(tl.int64)
+    ptrs = v_cache_ptr + (block_ids * stride_cache_block + kv_head * stride_v_head)[:, None] \
+        + offs_run[None, :] * stride_v_slot
+    if MASKED:
+        v = tl.load(ptrs, mask=valid[:, None] & (offs_run < HEAD_DIM * BLOCK_SIZE)[None, :], other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PADDED:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=(offs_run < HEAD_DIM * BLOCK_SIZE)[None, :], other=0.0)
+    v = tl.permute(tl.reshape(v, (BLOCKS, HEAD_DIM_PADDED, BLOCK_SIZE)), (0, 2, 1))
+    return tl.reshape(v, (BLOCK_N, HEAD_DIM_PADDED))
+
+
+@triton.jit
 def _fp8_values_product(
-    p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
-    stride_v_slot, stride_v_head, stride_v_dim,
+    p, v_cache_ptr, v_scale_ptr, block_table, key_start, num_keys, block_base, slot, kv_head, scale_cols, offs_d,
+    n_valid, block_valid, stride_cache_block, stride_v_slot, stride_v_head, stride_v_dim,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, IEEE_FP32: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """p [rows, BLOCK_N] times the tile's values of an FP8 cache, which are stored transposed
-    (kv_cache.py): they load as [HEAD_DIM, BLOCK_N], keys along the rows, the orientation the dot
-    takes them in. Each value's scale goes on its column of p, relative to the tile's largest,
-    which multiplies the product (a scale folded into p whole could underflow float16). MASKED:
-    whole blocks are loaded (block_valid) and keys past the end (not n_valid) weigh 0."""
-    v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :] \
-        + offs_d[:, None] * stride_v_dim
+    (kv_cache.py; read block by block where blocks tile the tile: _fp8_value_tile). Each value's
+    scale goes on its column of p, relative to the tile's largest, which multiplies the product (a
+    scale folded into p whole could underflow float16). MASKED: whole blocks are loaded
+    (block_valid) and keys past the end (not n_valid) weigh 0."""
     if MASKED:
-        v_t = tl.load(v_ptrs, mask=block_valid[None, :] & (offs_d[:, None] < HEAD_DIM))
         v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid), 0.0)
-    elif HEAD_DIM == HEAD_DIM_PADDED:
-        v_t = tl.load(v_ptrs)
-        v_scale = tl.load(v_scale_ptr + scale_cols)
     else:
-        v_t = tl.load(v_ptrs, mask=offs_d[:, None] < HEAD_DIM)
         v_scale = tl.load(v_scale_ptr + scale_cols)
     v_scale_max = tl.max(v_scale, axis=0)
     p = p * (v_scale / v_scale_max)[None, :]
+    if BLOCK_N % BLOCK_SIZE == 0:
+        v = _fp8_value_tile(v_cache_ptr, block_table, key_start, num_keys, kv_head, stride_cache_block, stride_v_slot,
+                            stride_v_head, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, MASKED)
+    else:  # a tile inside one block: [dim, key], keys along the rows
+        v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :] \
+            + offs_d[:, None] * stride_v_dim
+        if MASKED:
+            v_t = tl.load(v_ptrs, mask=block_valid[None, :] & (offs_d[:, None] < HEAD_DIM))
+        elif HEAD_DIM == HEAD_DIM_PADDED:
+            v_t = tl.load(v_ptrs)
+        else:
+            v_t = tl.load(v_ptrs, mask=offs_d[:, None] < HEAD_DIM)
+        v = tl.trans(v_t)
     if IEEE_FP32:
-        return tl.dot(p, tl.trans(v_t).to(tl.float32), input_precision="ieee") * v_scale_max
-    return tl.dot(p.to(DOT_DTYPE), tl.trans(v_t).to(DOT_DTYPE)) * v_scale_max
+        return tl.dot(p, v.to(tl.float32), input_precision="ieee") * v_scale_max
+    return tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE)) * v_scale_max
 
 
 @triton.jit
@@ -330,9 +370,9 @@ def _attend_key_tile(
     p, alpha, l_i, m_new = _softmax_step(scores, m_i, l_i, scale_log2e, visible, MASKED)
     if FP8:
         pv = _fp8_values_product(
-            p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d,
-            n_valid if MASKED else None, block_valid if MASKED else None, stride_v_slot, stride_v_head, stride_v_dim,
-            HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype)
+            p, v_cache_ptr, v_scale_ptr, block_table, key_start, num_keys, block_base, slot, kv_head, scale_cols,
+            offs_d, n_valid if MASKED else None, block_valid if MASKED else None, stride_cache_block, stride_v_slot,
+            stride_v_head, stride_v_dim, HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
         return acc * alpha[:, None] + pv, l_i, m_new
     v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] \
         + offs_d[None, :] * stride_v_dim
@@ -586,8 +626,9 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
             acc = acc * alpha[:, None] + _fp8_values_product(
-                p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
-                stride_v_slot, stride_v_head, stride_v_dim, HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype)
+                p, v_cache_ptr, v_scale_ptr, block_table, key_start, key_hi, block_base, slot, kv_head, scale_cols,
+                offs_d, n_valid, block_valid, stride_cache_block, stride_v_slot, stride_v_head, stride_v_dim,
+                HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
         else:
             v = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None]
                         + offs_d[None, :] * stride_v_dim, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
@@ -676,6 +717,8 @@ def cache_strides(views: KVCacheViews) -> tuple[int, ...]:
     their scales) share the block stride: they are rows of one tensor."""
     key, value = views.key, views.value
     assert key.stride(3) == 1 and key.stride(0) == value.stride(0)
+    if views.key_scale is not None:  # a head's values in a block are one run (_fp8_value_tile reads them so)
+        assert value.stride(3) == value.shape[1] * value.stride(1), "FP8 values must be [head, dim, slot] in a block"
     scale = (0, 0, 0) if views.key_scale is None else views.key_scale.stride()
     return (key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2), value.stride(3), *scale)
 
