@@ -766,7 +766,10 @@ class DecodeConfig(NamedTuple):
 DECODE = DecodeConfig()
 # Most splits for contexts of up to DECODE_LONG_CONTEXT keys (benchmarks/decode_splits.py).
 SHORT_CONTEXT_MAX_SPLITS = 8
-DECODE_FP8 = DecodeConfig(block_n=128, num_stages=2, maxnreg=128)
+# FP8: since values are read as whole runs (_fp8_value_tile), 64-key tiles on 2 warps: the 256-request
+# workload 33,478 / 33,696 output tok/s against 32,998 / 32,995 for (128 keys, 4 warps, 2 stages,
+# 128 registers), alternating on one H100 (benchmarks/results/2026-11-26-h100-fp8-values/).
+DECODE_FP8 = DecodeConfig(block_n=64, num_warps=2, num_stages=3)
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
