@@ -64,7 +64,8 @@ def _patch(runner_class) -> None:
         with record_function("host:run_step"):
             outputs = run_step(self, scheduler_output)
         if state["profiler"] is not None:
-            state["steps"].append((len(scheduler_output.scheduled_new_reqs), scheduler_output.total_num_scheduled_tokens))
+            new_requests = len(scheduler_output.scheduled_new_reqs)
+            state["steps"].append((new_requests, scheduler_output.total_num_scheduled_tokens))
             if len(state["steps"]) == steps:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
@@ -105,8 +106,8 @@ def report(events, steps: list) -> None:
               flush=True)
         for s, e, name in host:
             if e >= at - 2000 and s <= at + gap:
-                print(f"GPU_IDLE     {name:22s} {(s - at) / 1e3:+8.3f} .. {(e - at) / 1e3:+8.3f} ms from the gap's start",
-                      flush=True)
+                print(f"GPU_IDLE     {name:22s} {(s - at) / 1e3:+8.3f} .. {(e - at) / 1e3:+8.3f} ms "
+                      "from the gap's start", flush=True)
 
 
 if os.environ.get("MINIVLLM_GPU_IDLE_STEPS"):
