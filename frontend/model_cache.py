@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from minivllm.protocol.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "minivllm-manifest.json"
@@ -30,11 +32,6 @@ MANIFEST_FORMAT = 1
 
 class ModelCacheError(RuntimeError):
     """Preparing a model failed for a reason the user can act on (the message says how)."""
-
-
-def cache_root() -> Path:
-    """`$MINIVLLM_CACHE`, or `~/.cache/minivllm`."""
-    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm").expanduser()
 
 
 def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
+
+def cache_root() -> Path:
+    """minivllm's on-disk cache, shared by its processes (converted models, built CPU kernels):
+    `$MINIVLLM_CACHE`, or `~/.cache/minivllm`."""
+    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm").expanduser()
+
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")

@@ -31,6 +31,7 @@ from types import ModuleType
 
 import torch
 
+from minivllm.protocol.config import cache_root
 from minivllm.worker.attention.kv_cache import KVCacheLayout, KVCacheViews
 
 logger = logging.getLogger(__name__)
@@ -56,12 +57,6 @@ def _build_name() -> str:
     return f"minivllm_cpu_decode_{hashlib.sha1(key).hexdigest()[:16]}"
 
 
-def _build_dir() -> str:
-    # (the model cache's root: frontend/model_cache.py's cache_root, which the worker does not import)
-    root = os.environ.get("MINIVLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
-    return os.path.join(root, "kernels")
-
-
 def _load(name: str, path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -76,7 +71,7 @@ def extension() -> ModuleType | None:
     wait on each other's locks (nor on one a killed build left behind)."""
     try:
         name = _build_name()
-        kernels = _build_dir()
+        kernels = str(cache_root() / "kernels")
         built = os.path.join(kernels, f"{name}.so")
         if os.path.exists(built):
             return _load(name, built)
