@@ -6,7 +6,13 @@ from typing import Any
 
 import msgspec
 
-from minivllm.protocol.messages import EngineCoreInput, EngineCoreOutputs, EngineCoreRequest, EngineToWorker, WorkerToEngine
+from minivllm.protocol.messages import (
+    EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineToWorker,
+    WorkerToEngine,
+)
 
 encoder = msgspec.msgpack.Encoder()
 
