@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu
 
@@ -45,9 +45,17 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
 # name -> the steps it takes, each a list of (cached context, tokens this step) per sequence
 CASES = {
     "prefill-1x2048": [[(0, 2048)]],
+    "prefill-1x4096": [[(0, 4096)]],
     "prefill-1x8192": [[(0, 8192)]],
     "prefill-32k": [[(c, 8192)] for c in (0, 8192, 16384, 24576)],
     "prefill-1x16384": [[(0, 16384)]],
+    # short prompts, as a first token at batch 1 (or a few) runs them
+    "prefill-1x128": [[(0, 128)]],
+    "prefill-1x512": [[(0, 512)]],
+    "prefill-1x1024": [[(0, 1024)]],
+    "prefill-8x128": [[(0, 128)] * 8],
+    # a long prompt's last chunk, short: it reads the whole cached prefix
+    "prefill-128-after-16k": [[(16384, 128)]],
     # a prefill step of the 256-request workload: a full budget of prompts of its mean length
     "prefill-8192x562": [[(0, 562)] * 14 + [(0, 324)]],
     "decode-256x700": [[(700, 1)] * 256],
@@ -67,8 +75,10 @@ def causal_pairs(context: int, query: int) -> int:
     return query * context + query * (query + 1) // 2
 
 
-def build_step(cases, fp8: bool):
+def build_step(cases, fp8: bool, num_active_seqs: int | None = None):
     q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0)
+    if num_active_seqs is not None:  # the sequences before the padding, as a graph's buffers say
+        md = dataclasses.replace(md, num_active_seqs=torch.tensor([num_active_seqs], dtype=torch.int32, device="cuda"))
     if not fp8:
         store_kv(k, v, plain_cache, md.slot_mapping)
         return q, plain_cache, md, k, v
@@ -96,15 +106,21 @@ def main() -> None:
     parser.add_argument("--graph-seqs", type=int, default=257,
                         help="pad prefill steps with empty sequences to this many, as the engine's CUDA graphs do "
                              "(max_num_seqs + 1); 0: no padding")
+    parser.add_argument("--cudagraph", action="store_true",
+                        help="time each shape replayed in a CUDA graph, as the engine runs it (for short steps, "
+                             "whose kernels take a few microseconds: no launch overhead in the figure)")
     args = parser.parse_args()
+    bench = (lambda fn: do_bench_cudagraph(fn, rep=50, return_mode="median")) if args.cudagraph else \
+        (lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median"))
     baseline = None
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_attention", args.baseline)
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for name in args.cases.split(","):
-        steps = [build_step(cases if cases[0][1] == 1 else cases + [(0, 0)] * (args.graph_seqs - len(cases)),
-                            args.fp8) for cases in CASES[name]]
+        steps = [build_step(cases, args.fp8) if cases[0][1] == 1 or len(cases) >= args.graph_seqs else
+                 build_step(cases + [(0, 0)] * (args.graph_seqs - len(cases)), args.fp8, num_active_seqs=len(cases))
+                 for cases in CASES[name]]
         decode = steps[0][2].max_query_len == 1
         layout = steps[0][2].layout(steps[0][1])
         if decode:
@@ -129,26 +145,26 @@ def main() -> None:
             sweep = [kind(*[None if v == "none" else int(v) for v in c.split(",")]) for c in args.configs.split(";")]
         for tiles in [] if args.no_sweep else sweep:
             try:
-                ms = do_bench(lambda: run(tiles), warmup=10, rep=50, return_mode="median")
+                ms = bench(lambda: run(tiles))
             except Exception as exc:  # out of shared memory etc.
                 print(f"  {tiles}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             results.append((ms, tiles))
         results.sort()
-        default_ms = do_bench(lambda: run(None), warmup=10, rep=50, return_mode="median")
+        default_ms = bench(lambda: run(None))
         best = "\n    ".join(f"{tuple(t)} {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}" for ms, t in results[: args.top])
         print(f"{name}{' fp8' if args.fp8 else ''}: default {default_ms * 1000:.0f} us = "
               f"{work / default_ms * 1000:.2f} {unit}; best {best}")
         if decode:  # the default shape without running the longest sequences first
             in_order = (DECODE_FP8 if args.fp8 else DECODE)._replace(longest_first=False)
-            ms = do_bench(lambda: run(in_order), warmup=10, rep=50, return_mode="median")
+            ms = bench(lambda: run(in_order))
             print(f"  default, sequences in order: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if baseline is not None:
             def run_baseline():
                 for q, cache, md, _, _ in steps:
                     baseline.paged_attention(q, cache, md, HEAD_DIM**-0.5)
 
-            ms = do_bench(run_baseline, warmup=10, rep=50, return_mode="median")
+            ms = bench(run_baseline)
             print(f"  baseline {args.baseline}: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if not decode and len(CASES[name][0]) == 1:  # one prompt: SDPA runs it whole
             total = sum(CASES[name][-1][0])
