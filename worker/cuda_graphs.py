@@ -10,6 +10,11 @@ them to its bucket and replays one graph:
   mixed buckets:  up to T tokens of up to max_num_seqs requests, T in 64, 128, 256, ... up to
                   max_num_batched_tokens (attention's grid depends on both counts, so both are
                   padded: the sequence count always to max_num_seqs + 1);
+  few buckets:    steps with prefill chunks of at most FEW_SEQS requests, up to T tokens, T in
+                  the mixed sizes up to FEW_SEQS_MAX_TOKENS (a first token at low load): padded to
+                  FEW_SEQS + 1 sequences, and one attention kernel takes them all, decodes too
+                  (metadata.split_decodes). In a mixed graph the decode kernel's launch over 257
+                  mostly empty sequences took 2.8 us a layer, ~5% of a 128-token prompt's forward;
   verify buckets: with speculative decoding, n requests of up to 1 + k tokens each (k drafts),
                   n in the decode sizes up to the batch size speculation runs at: n * (1 + k)
                   tokens and n + 1 sequences. Without them a batch-1 verify step of 1 + k tokens
@@ -41,7 +46,14 @@ import torch
 
 from minivllm.protocol.config import EngineConfig
 from minivllm.worker.attention.kv_cache import KVCacheLayout
-from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, DECODE_LONG_CONTEXT_MAX_SEQS, AttentionMetadata
+from minivllm.worker.attention.metadata import (
+    DECODE_LONG_CONTEXT,
+    DECODE_LONG_CONTEXT_MAX_SEQS,
+    FEW_SEQS,
+    FEW_SEQS_MAX_TOKENS,
+    AttentionMetadata,
+    split_decodes,
+)
 from minivllm.worker.input_batch import StepInputs
 from minivllm.worker.step_buffers import StepBuffers
 
@@ -91,6 +103,8 @@ class StepGraphs:
         self.verify_query_len = verify_query_len
         self.verify_buckets = [] if verify_query_len < 2 else [
             n for n in decode_buckets(min(max_verify_seqs, max_num_seqs)) if n * verify_query_len < self.mixed_buckets[0]]
+        self.few_seqs = min(FEW_SEQS, max_num_seqs)
+        self.few_buckets = [t for t in self.mixed_buckets if t <= FEW_SEQS_MAX_TOKENS]
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.sample_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -99,6 +113,9 @@ class StepGraphs:
         for tokens in reversed(self.mixed_buckets):
             self._capture(forward, ("mixed", tokens), tokens, max_num_seqs + 1, max_query_len=tokens,
                           max_seq_len=max_model_len)
+        for tokens in reversed(self.few_buckets):
+            self._capture(forward, ("few", tokens), tokens, self.few_seqs + 1, max_query_len=tokens,
+                          max_seq_len=max_model_len, split_decodes=False)
         for seqs in reversed(self.verify_buckets):
             self._capture(forward, ("verify", seqs), seqs * verify_query_len, seqs + 1,
                           max_query_len=verify_query_len, max_seq_len=max_model_len)
@@ -114,14 +131,16 @@ class StepGraphs:
                 for n in sizes:
                     self._capture_sample(sample, (kind, n))
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs: decode batch sizes %s (and %s over contexts > %d); mixed token counts %s%s",
+        logger.info("captured CUDA graphs: decode batch sizes %s (and %s over contexts > %d); mixed token counts %s "
+                    "(and %s for up to %d sequences)%s",
                     self.decode_buckets, self.long_decode_buckets, DECODE_LONG_CONTEXT, self.mixed_buckets,
+                    self.few_buckets, self.few_seqs,
                     (f"; verify batch sizes {self.verify_buckets} of {verify_query_len} tokens"
                      if self.verify_buckets else "")
                     + ("; decode steps sample in graphs" if self.sample_graphs else ""))
 
     def _capture(self, forward: Forward, key: tuple[str, int], num_tokens: int, num_seqs: int,
-                 max_query_len: int, max_seq_len: int) -> None:
+                 max_query_len: int, max_seq_len: int, split_decodes: bool = True) -> None:
         b = self.buffers
         views = b.views(num_tokens, num_seqs)
         # All padding: the captures touch no real cache slot. (Layouts of other sizes overlap this
@@ -133,11 +152,11 @@ class StepGraphs:
         views.query_start_loc.copy_(torch.linspace(0, num_tokens, num_seqs + 1, device=b.device).int())
         views.num_active_seqs.fill_(num_seqs)
         inputs = (views.input_ids, views.positions)
-        forward(*inputs, b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len))  # warm-up: compiles, settles
+        forward(*inputs, b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len, split_decodes))  # warm-up
         graph = torch.cuda.CUDAGraph()
         # A metadata object of its own: one keeps what its step's first layer derives for the rest
         # (AttentionMetadata.derived), which the graph must compute, not inherit from the warm-up.
-        metadata = b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len)
+        metadata = b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len, split_decodes)
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[key] = forward(*inputs, metadata)
         self.pool = graph.pool()
@@ -168,6 +187,9 @@ class StepGraphs:
             size = next((b for b in self.verify_buckets if b >= num_seqs), 0)
             if size:
                 return ("verify", size), size * self.verify_query_len, size + 1
+        if not split_decodes(num_seqs, step.num_tokens, step.max_query_len) and self.few_buckets:
+            size = next(b for b in self.few_buckets if b >= step.num_tokens)
+            return ("few", size), size, self.few_seqs + 1
         size = next((b for b in self.mixed_buckets if b >= step.num_tokens), 0)
         return ("mixed", size), size, self.max_num_seqs + 1
 

@@ -1,6 +1,7 @@
 """Verify-step CUDA graphs (speculative decoding): a step of a few requests of up to 1 + k tokens
 each replays a verify graph of its own size, padded, and gives what the eager forward gives; a
-step with a longer chunk still goes to a mixed graph."""
+step with a longer chunk goes to a few-sequence graph. Steps with prefill chunks replay a
+few-sequence graph (one attention kernel) or a mixed one by their sequence count."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
+from minivllm.worker.attention.metadata import FEW_SEQS
 from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs
 from minivllm.worker.input_batch import StepInputs
 
@@ -69,7 +71,7 @@ def test_verify_steps_replay_verify_graphs_and_equal_eager() -> None:
 
     contexts = [37, 20, 5]
     eager(make_step([0, 0, 0], contexts, block_table))  # their prompts into the cache
-    cases = [([4, 1, 3], ("verify", 4)), ([4], ("verify", 1)), ([2, 2], ("verify", 2)), ([5, 1, 1], ("mixed", 64))]
+    cases = [([4, 1, 3], ("verify", 4)), ([4], ("verify", 1)), ([2, 2], ("verify", 2)), ([5, 1, 1], ("few", 64))]
     for query_lens, expected_key in cases:
         step = make_step(contexts[: len(query_lens)], query_lens, block_table)
         assert graphs.bucket(step)[0] == expected_key
@@ -105,3 +107,39 @@ def test_large_decode_batches_replay_graphs_and_equal_eager() -> None:
         replayed = graphs.run(step)
         torch.testing.assert_close(replayed, expected)
     del junk
+
+
+def test_few_and_many_sequence_steps_replay_their_graphs_and_equal_eager() -> None:
+    """Up to FEW_SEQS sequences (and FEW_SEQS_MAX_TOKENS tokens) with prefill chunks: a few graph,
+    padded to FEW_SEQS + 1 sequences, without the decode kernel (decodes included go to the prefill
+    kernel, eagerly too); more sequences or tokens: a mixed graph. Padding rows come out zero, a
+    padding sequence of one token included (which no decode kernel takes there)."""
+    torch.manual_seed(2)
+    device = torch.device("cuda")
+    num_seqs = 12
+    layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
+    cache = layout.allocate(num_seqs * MAX_BLOCKS, device)
+    block_table = np.random.default_rng(3).permutation(num_seqs * MAX_BLOCKS).astype(np.int32).reshape(num_seqs, -1)
+    forward = attention_layer(cache, device)
+    buffers = StepBuffers(1024, num_seqs, MAX_BLOCKS, device)
+    buffers.kv_layout = layout
+    graphs = StepGraphs(forward, buffers, max_num_seqs=num_seqs, max_num_batched_tokens=1024,
+                        max_model_len=MAX_BLOCKS * BLOCK)
+    assert graphs.few_buckets == [64, 128, 256, 512] and graphs.few_seqs == FEW_SEQS == 8
+
+    contexts = [10] * num_seqs
+    metadata = buffers.load(make_step([0] * num_seqs, contexts, block_table))  # their prompts into the cache
+    forward(*buffers.forward_inputs, metadata)
+    cases = [([40, 22, 1], ("few", 64)),  # 63 tokens: the padding sequence has one
+             ([5, 1, 1], ("few", 64)), ([100, 90, 80], ("few", 512)), ([2] * 8, ("few", 64)),
+             ([2] * 9, ("mixed", 64)), ([1] * 10 + [3, 2], ("mixed", 64)), ([100] * 6, ("mixed", 1024))]
+    for query_lens, expected_key in cases:
+        step = make_step(contexts[: len(query_lens)], query_lens, block_table)
+        assert graphs.bucket(step)[0] == expected_key, query_lens
+        metadata = buffers.load(step)
+        assert metadata.split_decodes == (expected_key[0] == "mixed")
+        expected = forward(*buffers.forward_inputs, metadata).clone()
+        replayed = graphs.run(step)
+        torch.testing.assert_close(replayed, expected)
+        padding = graphs.outputs[expected_key][step.num_tokens:]
+        assert torch.equal(padding, torch.zeros_like(padding)), query_lens

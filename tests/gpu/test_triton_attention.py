@@ -16,9 +16,13 @@ pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
 from minivllm.worker.attention.triton_attention import (  # noqa: E402
     DECODE,
     DECODE_FP8,
+    PREFILL,
+    PREFILL_SHORT,
+    PREFILL_TINY,
     DecodeConfig,
     decode_attention,
     paged_attention,
+    prefill_config,
     store_kv,
 )
 
@@ -94,7 +98,7 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
 @pytest.mark.parametrize("heads_per_kv", [1, 4])
 @pytest.mark.parametrize("block_size", [16, 32, 7])
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
-def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
+def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True) -> None:
     """kv_cache_dtype="fp8": store_kv quantizes as the reference does (to within one e4m3 step
     where float division rounds differently), and the kernel attends over exactly what the cache
     holds (the reference reading the same FP8 cache)."""
@@ -102,7 +106,7 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     q, k, v, _, plain = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim, block_size, dtype,
                                    seed=head_dim * heads_per_kv + block_size)
     layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=True)
-    metadata = dataclasses.replace(plain, kv_layout=layout)
+    metadata = dataclasses.replace(plain, kv_layout=layout, split_decodes=split_decodes)
     num_blocks = int(metadata.block_tables.max()) + 3
     # Garbage wherever nobody writes: the kernels may read a block's unused slots (weighted by 0),
     # so it must not show. Finite garbage: an FP8 cache never holds NaN (kv_cache.py), and 0x7E is
@@ -137,7 +141,8 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     assert error < 1e-2, f"relative error {error:.2e}"
 
     # As the model calls it: a chunk of several tokens attends its own keys unquantized (k, v),
-    # the context before it as the cache holds it; a decode reads its key from the cache.
+    # the context before it as the cache holds it; a decode reads its key from the cache (in the
+    # decode kernel; the prefill kernel takes it as a one-token chunk).
     plain = torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), device="cuda")
     plain[0] = dequantize(views.key, views.key_scale, torch.float32)
     plain[1] = dequantize(views.value, views.value_scale, torch.float32)
@@ -145,7 +150,7 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
     expected_fresh = reference_attention(q.float(), plain, dataclasses.replace(metadata, kv_layout=None),
                                          head_dim**-0.5)
     query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
-    decode_rows = torch.repeat_interleave(query_lens == 1, query_lens)[:, None, None]
+    decode_rows = torch.repeat_interleave((query_lens == 1) & split_decodes, query_lens)[:, None, None]
     expected_fresh = torch.where(decode_rows, expected, expected_fresh)
     out = torch.full_like(q, float("nan"))
     paged_attention(q, cache, metadata, head_dim**-0.5, out=out, key=k, value=v)
@@ -160,6 +165,42 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases) -> None:
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
 def test_other_block_sizes(cases, block_size) -> None:
     test_kernel_equals_reference(torch.bfloat16, 128, 2, cases, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
+@pytest.mark.parametrize("heads_per_kv", [1, 2, 8])
+def test_prefill_kernel_takes_decodes_too(dtype, heads_per_kv) -> None:
+    """split_decodes=False (a step of a few sequences): no decode kernel; the prefill kernel
+    attends the decodes too, as one-token chunks."""
+    if dtype == "fp8":
+        test_fp8_cache(128, heads_per_kv, 16, MIXED, split_decodes=False)
+        return
+    q, k, v, cache, metadata = make_batch(MIXED, 2 * heads_per_kv, 2, 128, 16, dtype, seed=heads_per_kv)
+    metadata = dataclasses.replace(metadata, split_decodes=False)
+    store_kv(k, v, cache, metadata.slot_mapping)
+    expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    paged_attention(q, cache, metadata, 128**-0.5, out=out, key=k, value=v)
+    assert not out.isnan().any()
+    error = (out.double() - expected).norm() / expected.norm()
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("num_tokens", [2, 64, 128, 129, 1024, 2048, 2049, 8192])
+def test_tile_shape_by_step_size(num_tokens) -> None:
+    """Short steps take smaller tiles (prefill_config), and every shape gives the reference's
+    answer: a few sequences whose tokens add up to num_tokens, one with a cached prefix."""
+    half, quarter = num_tokens // 2, num_tokens // 4
+    lens = [num_tokens] if num_tokens < 4 else [half, quarter, num_tokens - half - quarter]
+    cases = [(100 if i == 1 else 0, n) for i, n in enumerate(lens)]
+    q, k, v, cache, metadata = make_batch(cases, 4, 2, 128, 16, torch.bfloat16, seed=num_tokens)
+    store_kv(k, v, cache, metadata.slot_mapping)
+    expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
+    out = paged_attention(q, cache, metadata, 128**-0.5, key=k, value=v)
+    error = (out.double() - expected).norm() / expected.norm()
+    assert error < 1e-2, f"relative error {error:.2e}"
+    config = prefill_config(num_tokens, torch.bfloat16, 128, fp8=False)
+    assert config == (PREFILL_TINY if num_tokens <= 128 else PREFILL_SHORT if num_tokens <= 2048 else PREFILL)
 
 
 def test_padding_rows_write_nothing_and_read_nothing() -> None:

@@ -25,7 +25,8 @@ Decode: one program per (sequence, KV head, split): the GQA group's query heads 
 (in a prefill tile a decode would fill a single row of BLOCK_M), and when a decode-only batch is
 too small to fill the GPU each sequence's keys are split across several programs whose partial
 softmax states a second kernel merges (flash-decoding), so a few long contexts use every SM. In a
-step with prefill chunks both kernels run, each skipping the other's sequences. A decode-only step
+step with prefill chunks both kernels run, each skipping the other's sequences, unless the step has
+only a few (metadata.split_decodes False): the prefill kernel then takes its decodes too. A decode-only step
 can hand the kernel q, k and v before the per-head norm and RoPE (`rope`): it rotates them in
 registers and stores this step's K/V itself, in place of ops.norm_rope's kernel.
 
@@ -400,8 +401,10 @@ def _paged_attention_kernel(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
+    SPLIT_DECODES: tl.constexpr,
 ):
-    """FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
+    """SPLIT_DECODES: one-token sequences are the decode kernel's (else this kernel takes them too).
+    FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
     [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
     Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
     have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched."""
@@ -424,7 +427,7 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile_in_seq = tile - (q_start // BLOCK_Q + seq)
     # A one-token sequence (a decode) is the decode kernel's, which wastes no tile rows on it.
-    if tile_in_seq * BLOCK_Q >= q_len or q_len == 1:
+    if tile_in_seq * BLOCK_Q >= q_len or (SPLIT_DECODES and q_len == 1):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens cached before this step's chunk
@@ -746,6 +749,26 @@ PREFILL_SMALL = PrefillConfig(64, 64, 4, 2, None)
 # shape (H100, benchmarks/results/2026-11-25-h100-fp8-decode/). With the chunk's own keys read
 # unquantized (paged_attention) the same prompt takes 0.76 ms at 3 stages.
 PREFILL_FP8 = PrefillConfig(128, 128, 8, 3, None)
+# Steps of few tokens fill the GPU with smaller tiles, whatever their sequences' lengths (H100, in
+# CUDA graphs, `tune_attention.py --cudagraph`): one 128-token prompt 11 -> 8 us, one of 1,024 33 ->
+# 28 (FP8 34 -> 32), one of 2,048 69 -> 58 (FP8 even), eight of 128 15 -> 12 (FP8 21 -> 15). From
+# 4,096 tokens PREFILL's shape is ahead again. (A token count picks the same shape eagerly and in its
+# graph's bucket: the limits are bucket sizes.)
+PREFILL_TINY = PrefillConfig(16, 64, 4, 2, None)  # steps of up to 128 tokens
+PREFILL_SHORT = PrefillConfig(64, 64, 4, 3, None)  # up to 2,048 (FP8: 1,024)
+
+
+def prefill_config(num_tokens: int, dtype: torch.dtype, head_dim: int, fp8: bool) -> PrefillConfig:
+    """The prefill kernel's tile shape for a step of num_tokens query tokens."""
+    if dtype == torch.float32 or head_dim > 128:
+        return PREFILL_SMALL
+    if num_tokens <= 128:
+        return PREFILL_TINY
+    if num_tokens <= (1024 if fp8 else 2048):
+        return PREFILL_SHORT
+    return PREFILL_FP8 if fp8 else PREFILL
+
+
 # An FP8 cache's prefill reads a chunk's own keys from the step's key/value ("0": from the cache).
 PREFILL_FRESH_KV = os.environ.get("MINIVLLM_PREFILL_FRESH_KV", "1") != "0"
 
@@ -887,13 +910,16 @@ def paged_attention(
     measured slower, so it reads the cache.) $MINIVLLM_PREFILL_FRESH_KV=0: the cache always."""
     if metadata.max_query_len == 1:
         return decode_attention(query, kv_cache, metadata, scale, out=out)
-    out = decode_attention(query, kv_cache, metadata, scale, out=out, mixed=True)
+    if metadata.split_decodes:
+        out = decode_attention(query, kv_cache, metadata, scale, out=out, mixed=True)
+    elif out is None:
+        out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
     layout = metadata.layout(kv_cache)
     block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
     heads_per_kv = num_heads // num_kv_heads
     if config is None:
-        config = PREFILL_SMALL if query.dtype == torch.float32 or head_dim > 128 else PREFILL_FP8 if layout.fp8 else PREFILL
+        config = prefill_config(num_tokens, query.dtype, head_dim, layout.fp8)
     block_m = max(config.block_m, triton.next_power_of_2(heads_per_kv))
     block_q = max(1, block_m // heads_per_kv)
     num_seqs = metadata.num_seqs
@@ -917,7 +943,8 @@ def paged_attention(
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
         IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, FRESH_KV=fresh_kv,
-        ACTIVE_SEQS=metadata.num_active_seqs is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        ACTIVE_SEQS=metadata.num_active_seqs is not None, SPLIT_DECODES=metadata.split_decodes,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
     return out
