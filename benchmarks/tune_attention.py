@@ -8,8 +8,10 @@ Prefill cases report TFLOP/s (causal attention: 2 * 2 * visible (query, key) pai
 heads); decode cases report TB/s of cache read (K and V of every live token, scales included).
 "prefill-32k" is one 32,768-token prompt run as the engine runs it with a budget of 8192: four
 chunks, each over the cached prefix of the ones before. Prefill steps carry empty sequences up to
---graph-seqs, as a CUDA graph's bucket does: the kernel is then compiled as the engine runs it. --baseline times another version of
-triton_attention.py (a saved copy) on the same batches with its own default shapes.
+--graph-seqs, as a mixed CUDA graph's bucket does (a step of a few sequences up to FEW_SEQS + 1,
+as its few-sequence graph does): the kernel is then compiled as the engine runs it. --baseline
+times another version of triton_attention.py (a saved copy) on the same batches with its own
+default shapes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
+from minivllm.worker.attention.metadata import FEW_SEQS, split_decodes
 from minivllm.worker.attention.triton_attention import (
     DECODE,
     DECODE_FP8,
@@ -56,6 +59,9 @@ CASES = {
     "prefill-8x128": [[(0, 128)] * 8],
     # a long prompt's last chunk, short: it reads the whole cached prefix
     "prefill-128-after-16k": [[(16384, 128)]],
+    "prefill-128-after-4k": [[(4096, 128)]],
+    "prefill-128-after-2k": [[(2048, 128)]],
+    "prefill-256-after-32k": [[(32768, 256)]],
     # a prefill step of the 256-request workload: a full budget of prompts of its mean length
     "prefill-8192x562": [[(0, 562)] * 14 + [(0, 324)]],
     "decode-256x700": [[(700, 1)] * 256],
@@ -75,10 +81,17 @@ def causal_pairs(context: int, query: int) -> int:
     return query * context + query * (query + 1) // 2
 
 
-def build_step(cases, fp8: bool, num_active_seqs: int | None = None):
+def build_step(cases, fp8: bool, graph_seqs: int = 0):
+    """A step of `cases`, padded with empty sequences as the engine's graph for it would be (a mixed
+    graph's graph_seqs, or a few-sequence graph's FEW_SEQS + 1, without the decode kernel)."""
+    num_real = len(cases)
+    few = not split_decodes(num_real, sum(n for _, n in cases), max(n for _, n in cases))
+    pad_to = FEW_SEQS + 1 if few else graph_seqs if cases[0][1] > 1 else 0
+    cases = cases + [(0, 0)] * max(0, pad_to - num_real)
     q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0)
-    if num_active_seqs is not None:  # the sequences before the padding, as a graph's buffers say
-        md = dataclasses.replace(md, num_active_seqs=torch.tensor([num_active_seqs], dtype=torch.int32, device="cuda"))
+    if len(cases) > num_real:  # the sequences before the padding, as a graph's buffers say
+        md = dataclasses.replace(md, num_active_seqs=torch.tensor([num_real], dtype=torch.int32, device="cuda"))
+    md = dataclasses.replace(md, split_decodes=not few)
     if not fp8:
         store_kv(k, v, plain_cache, md.slot_mapping)
         return q, plain_cache, md, k, v
@@ -118,9 +131,7 @@ def main() -> None:
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for name in args.cases.split(","):
-        steps = [build_step(cases, args.fp8) if cases[0][1] == 1 or len(cases) >= args.graph_seqs else
-                 build_step(cases + [(0, 0)] * (args.graph_seqs - len(cases)), args.fp8, num_active_seqs=len(cases))
-                 for cases in CASES[name]]
+        steps = [build_step(cases, args.fp8, args.graph_seqs) for cases in CASES[name]]
         decode = steps[0][2].max_query_len == 1
         layout = steps[0][2].layout(steps[0][1])
         if decode:
