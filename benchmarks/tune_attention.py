@@ -31,7 +31,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
-from minivllm.worker.attention.metadata import FEW_SEQS, split_decodes
+from minivllm.worker.attention.metadata import FEW_SEQS, step_splits_decodes
 from minivllm.worker.attention.triton_attention import (
     DECODE,
     DECODE_FP8,
@@ -85,7 +85,7 @@ def build_step(cases, fp8: bool, graph_seqs: int = 0):
     """A step of `cases`, padded with empty sequences as the engine's graph for it would be (a mixed
     graph's graph_seqs, or a few-sequence graph's FEW_SEQS + 1, without the decode kernel)."""
     num_real = len(cases)
-    few = not split_decodes(num_real, sum(n for _, n in cases), max(n for _, n in cases))
+    few = not step_splits_decodes(num_real, sum(n for _, n in cases), max(n for _, n in cases))
     pad_to = FEW_SEQS + 1 if few else graph_seqs if cases[0][1] > 1 else 0
     cases = cases + [(0, 0)] * max(0, pad_to - num_real)
     q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0)

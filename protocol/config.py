@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+
 def cache_root() -> Path:
     """minivllm's on-disk cache, shared by its processes (converted models, built CPU kernels):
     `$MINIVLLM_CACHE`, or `~/.cache/minivllm`."""

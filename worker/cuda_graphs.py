@@ -52,7 +52,7 @@ from minivllm.worker.attention.metadata import (
     FEW_SEQS,
     FEW_SEQS_MAX_TOKENS,
     AttentionMetadata,
-    split_decodes,
+    step_splits_decodes,
 )
 from minivllm.worker.input_batch import StepInputs
 from minivllm.worker.step_buffers import StepBuffers
@@ -187,7 +187,7 @@ class StepGraphs:
             size = next((b for b in self.verify_buckets if b >= num_seqs), 0)
             if size:
                 return ("verify", size), size * self.verify_query_len, size + 1
-        if not split_decodes(num_seqs, step.num_tokens, step.max_query_len) and self.few_buckets:
+        if not step_splits_decodes(num_seqs, step.num_tokens, step.max_query_len):
             size = next(b for b in self.few_buckets if b >= step.num_tokens)
             return ("few", size), size, self.few_seqs + 1
         size = next((b for b in self.mixed_buckets if b >= step.num_tokens), 0)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
-from minivllm.worker.attention.metadata import AttentionMetadata, split_decodes
+from minivllm.worker.attention.metadata import AttentionMetadata, step_splits_decodes
 from minivllm.worker.input_batch import StepInputs
 
 _RING = 3  # pinned host buffers in turn (a step's copy may still be queued when the next is written)
@@ -198,7 +198,7 @@ class StepBuffers:
         self.pending_index, self.pending_source = self._pending_views(nbytes, num_pending)
         # (A graph's bucket says for itself; an eager step as a graph of its size would.)
         return self.metadata(tokens, seqs, step.max_query_len, step.max_seq_len,
-                             split_decodes(num_seqs, num_tokens, step.max_query_len))
+                             step_splits_decodes(num_seqs, num_tokens, step.max_query_len))
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
                  split_decodes: bool = True) -> AttentionMetadata:

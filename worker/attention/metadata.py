@@ -33,13 +33,13 @@ DECODE_LONG_CONTEXT = 1024
 # GPU without splitting).
 DECODE_LONG_CONTEXT_MAX_SEQS = 64
 # A step with prefill chunks and at most FEW_SEQS sequences and FEW_SEQS_MAX_TOKENS tokens (a first
-# token at low load) attends every sequence in one kernel, its decodes too (split_decodes False):
+# token at low load) attends every sequence in one kernel, its decodes too (metadata.split_decodes False):
 # a second kernel for its few decodes costs more than the rows they leave empty in a prefill tile.
 FEW_SEQS = 8
 FEW_SEQS_MAX_TOKENS = 512
 
 
-def split_decodes(num_seqs: int, num_tokens: int, max_query_len: int) -> bool:
+def step_splits_decodes(num_seqs: int, num_tokens: int, max_query_len: int) -> bool:
     """Whether a step's one-token sequences go to a decode kernel of their own (see FEW_SEQS)."""
     return max_query_len == 1 or num_seqs > FEW_SEQS or num_tokens > FEW_SEQS_MAX_TOKENS
 
@@ -68,7 +68,7 @@ class AttentionMetadata:
     # kernel whose grid spans every sequence skip the empty ones without searching for them.
     num_active_seqs: torch.Tensor | None = None
     # Whether the one-token sequences of a step with prefill chunks go to a decode kernel of their
-    # own (False: the prefill kernel takes every sequence; split_decodes()).
+    # own (False: the prefill kernel takes every sequence; step_splits_decodes()).
     split_decodes: bool = True
     # What backends derive from the step once for all its layers (derived()); a copy made with
     # dataclasses.replace starts empty.

@@ -26,9 +26,9 @@ Decode: one program per (sequence, KV head, split): the GQA group's query heads 
 too small to fill the GPU each sequence's keys are split across several programs whose partial
 softmax states a second kernel merges (flash-decoding), so a few long contexts use every SM. In a
 step with prefill chunks both kernels run, each skipping the other's sequences, unless the step has
-only a few (metadata.split_decodes False): the prefill kernel then takes its decodes too. A decode-only step
-can hand the kernel q, k and v before the per-head norm and RoPE (`rope`): it rotates them in
-registers and stores this step's K/V itself, in place of ops.norm_rope's kernel.
+only a few (metadata.split_decodes False): the prefill kernel then takes its decodes too. A
+decode-only step can hand the kernel q, k and v before the per-head norm and RoPE (`rope`): it
+rotates them in registers and stores this step's K/V itself, in place of ops.norm_rope's kernel.
 
 An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
 multiplies its column of scores and each value's scale the column of probabilities that weighs it,
@@ -426,7 +426,8 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile_in_seq = tile - (q_start // BLOCK_Q + seq)
-    # A one-token sequence (a decode) is the decode kernel's, which wastes no tile rows on it.
+    # A one-token sequence (a decode) is the decode kernel's, which wastes no tile rows on it
+    # (unless the step has no decode kernel: SPLIT_DECODES off).
     if tile_in_seq * BLOCK_Q >= q_len or (SPLIT_DECODES and q_len == 1):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
