@@ -109,8 +109,11 @@ class StepGraphs:
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.sample_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # With max_num_seqs <= FEW_SEQS every step with prompt tokens that a few bucket holds takes
+        # it: no mixed graph of those sizes would ever replay.
+        mixed_captured = [t for t in self.mixed_buckets if max_num_seqs > FEW_SEQS or t not in self.few_buckets]
         # Largest first, so the smaller graphs fit in the memory pool the largest made.
-        for tokens in reversed(self.mixed_buckets):
+        for tokens in reversed(mixed_captured):
             self._capture(forward, ("mixed", tokens), tokens, max_num_seqs + 1, max_query_len=tokens,
                           max_seq_len=max_model_len)
         for tokens in reversed(self.few_buckets):
@@ -133,7 +136,7 @@ class StepGraphs:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs: decode batch sizes %s (and %s over contexts > %d); mixed token counts %s "
                     "(and %s for up to %d sequences)%s",
-                    self.decode_buckets, self.long_decode_buckets, DECODE_LONG_CONTEXT, self.mixed_buckets,
+                    self.decode_buckets, self.long_decode_buckets, DECODE_LONG_CONTEXT, mixed_captured,
                     self.few_buckets, self.few_seqs,
                     (f"; verify batch sizes {self.verify_buckets} of {verify_query_len} tokens"
                      if self.verify_buckets else "")

@@ -64,6 +64,9 @@ def test_verify_steps_replay_verify_graphs_and_equal_eager() -> None:
     graphs = StepGraphs(forward, buffers, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=MAX_BLOCKS * BLOCK,
                         verify_query_len=K + 1, max_verify_seqs=4)
     assert graphs.verify_buckets == [1, 2, 4]
+    # max_num_seqs <= FEW_SEQS: few graphs take every step with prompt tokens here, no mixed ones captured
+    prompt_graphs = sorted(key for key in graphs.graphs if key[0] in ("few", "mixed"))
+    assert prompt_graphs == [("few", t) for t in (64, 128, 256, 512)]
 
     def eager(step: StepInputs) -> torch.Tensor:
         metadata = buffers.load(step)
