@@ -83,10 +83,11 @@ def causal_pairs(context: int, query: int) -> int:
 
 def build_step(cases, fp8: bool, graph_seqs: int = 0):
     """A step of `cases`, padded with empty sequences as the engine's graph for it would be (a mixed
-    graph's graph_seqs, or a few-sequence graph's FEW_SEQS + 1, without the decode kernel)."""
-    num_real = len(cases)
-    few = not step_splits_decodes(num_real, sum(n for _, n in cases), max(n for _, n in cases))
-    pad_to = FEW_SEQS + 1 if few else graph_seqs if cases[0][1] > 1 else 0
+    graph's graph_seqs, or a few-sequence graph's FEW_SEQS + 1, without the decode kernel; graph_seqs
+    0: no padding, as an eager step)."""
+    num_real, max_query_len = len(cases), max(n for _, n in cases)
+    few = not step_splits_decodes(num_real, sum(n for _, n in cases), max_query_len)
+    pad_to = 0 if not graph_seqs or max_query_len == 1 else FEW_SEQS + 1 if few else graph_seqs
     cases = cases + [(0, 0)] * max(0, pad_to - num_real)
     q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0)
     if len(cases) > num_real:  # the sequences before the padding, as a graph's buffers say
