@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--graph-seqs", type=int, default=257,
                         help="pad prefill steps with empty sequences to this many, as the engine's CUDA graphs do "
                              "(max_num_seqs + 1); 0: no padding")
+    parser.add_argument("--splits", type=int, help="prefill: the most programs sharing a context (default: the "
+                                                    "engine's rule, metadata.step_splits_contexts)")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time each shape replayed in a CUDA graph, as the engine runs it (for short steps, "
                              "whose kernels take a few microseconds: no launch overhead in the figure)")
@@ -148,7 +150,7 @@ def main() -> None:
                     decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
                 else:  # as the model calls it: the chunk's own keys from k and v, unless --cache-only
                     fresh = {} if args.cache_only else dict(key=k, value=v)
-                    paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, **fresh)
+                    paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, num_splits=args.splits, **fresh)
 
         results = []
         sweep = DECODE_CONFIGS if decode else PREFILL_CONFIGS

@@ -14,7 +14,9 @@ them to its bucket and replays one graph:
                   the mixed sizes up to FEW_SEQS_MAX_TOKENS (a first token at low load): padded to
                   FEW_SEQS + 1 sequences, and one attention kernel takes them all, decodes too
                   (metadata.split_decodes). In a mixed graph the decode kernel's launch over 257
-                  mostly empty sequences took 2.8 us a layer, ~5% of a 128-token prompt's forward;
+                  mostly empty sequences took 2.8 us a layer, ~5% of a 128-token prompt's forward.
+                  Up to FEW_SEQS_SPLIT_MAX_TOKENS tokens their prefill kernel shares each long
+                  context out among several programs (metadata.step_splits_contexts);
   verify buckets: with speculative decoding, n requests of up to 1 + k tokens each (k drafts),
                   n in the decode sizes up to the batch size speculation runs at: n * (1 + k)
                   tokens and n + 1 sequences. Without them a batch-1 verify step of 1 + k tokens

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minivllm.worker.attention.kv_cache import KVCacheLayout
-from minivllm.worker.attention.metadata import FEW_SEQS
+from minivllm.worker.attention.metadata import FEW_SEQS, FEW_SEQS_SPLIT_MAX_TOKENS, step_splits_contexts
 from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs
 from minivllm.worker.input_batch import StepInputs
 
@@ -146,3 +146,34 @@ def test_few_and_many_sequence_steps_replay_their_graphs_and_equal_eager() -> No
         torch.testing.assert_close(replayed, expected)
         padding = graphs.outputs[expected_key][step.num_tokens:]
         assert torch.equal(padding, torch.zeros_like(padding)), query_lens
+
+
+def test_short_chunks_after_long_prefixes_share_their_contexts_in_graphs_as_eagerly() -> None:
+    """A few-sequence step of up to FEW_SEQS_SPLIT_MAX_TOKENS tokens shares its contexts out among
+    programs (step_splits_contexts), in its graph as eagerly, and the two agree; a longer one does not."""
+    torch.manual_seed(3)
+    device = torch.device("cuda")
+    num_seqs, max_blocks = 4, 200  # 3,200 tokens a sequence
+    layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
+    cache = layout.allocate(num_seqs * max_blocks, device)
+    block_table = np.random.default_rng(4).permutation(num_seqs * max_blocks).astype(np.int32).reshape(num_seqs, -1)
+    forward = attention_layer(cache, device)
+    buffers = StepBuffers(512, num_seqs, max_blocks, device)
+    buffers.kv_layout = layout
+    graphs = StepGraphs(forward, buffers, max_num_seqs=num_seqs, max_num_batched_tokens=512,
+                        max_model_len=max_blocks * BLOCK)
+
+    contexts = [3000, 2100, 40, 500]
+    for i, context in enumerate(contexts):  # the prompts into the cache, 500 tokens a step
+        for start in range(0, context, 500):
+            metadata = buffers.load(make_step([start], [min(500, context - start)], block_table[i:]))
+            forward(*buffers.forward_inputs, metadata)
+    cases = [([50, 3, 1, 7], 64, True), ([1, 200], 256, True), ([9, 1], 64, True), ([30, 30, 30, 30], 128, True),
+             ([200, 100], 512, False)]
+    for query_lens, bucket, split in cases:
+        step = make_step(contexts[: len(query_lens)], query_lens, block_table)
+        assert graphs.bucket(step)[0] == ("few", bucket), query_lens
+        metadata = buffers.load(step)
+        assert step_splits_contexts(metadata.split_decodes, step.num_tokens) == split == (step.num_tokens <= FEW_SEQS_SPLIT_MAX_TOKENS)
+        expected = forward(*buffers.forward_inputs, metadata).clone()
+        torch.testing.assert_close(graphs.run(step), expected)

@@ -19,6 +19,7 @@ from minivllm.worker.attention.triton_attention import (  # noqa: E402
     PREFILL,
     PREFILL_SHORT,
     PREFILL_TINY,
+    _SPLIT_SCRATCH,
     DecodeConfig,
     decode_attention,
     paged_attention,
@@ -98,7 +99,7 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
 @pytest.mark.parametrize("heads_per_kv", [1, 4])
 @pytest.mark.parametrize("block_size", [16, 32, 7])
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
-def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True) -> None:
+def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True, num_splits=None) -> None:
     """kv_cache_dtype="fp8": store_kv quantizes as the reference does (to within one e4m3 step
     where float division rounds differently), and the kernel attends over exactly what the cache
     holds (the reference reading the same FP8 cache)."""
@@ -135,7 +136,7 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True
 
     expected = reference_attention(q.float(), cache, metadata, head_dim**-0.5)
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, cache, metadata, head_dim**-0.5, out=out)
+    paged_attention(q, cache, metadata, head_dim**-0.5, out=out, num_splits=num_splits)
     assert not out.isnan().any()
     error = (out.float() - expected).norm() / expected.norm()
     assert error < 1e-2, f"relative error {error:.2e}"
@@ -153,7 +154,7 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True
     decode_rows = torch.repeat_interleave((query_lens == 1) & split_decodes, query_lens)[:, None, None]
     expected_fresh = torch.where(decode_rows, expected, expected_fresh)
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, cache, metadata, head_dim**-0.5, out=out, key=k, value=v)
+    paged_attention(q, cache, metadata, head_dim**-0.5, out=out, key=k, value=v, num_splits=num_splits)
     assert not out.isnan().any()
     error = (out.float() - expected_fresh).norm() / expected_fresh.norm()
     assert error < 1e-2, f"relative error against the chunk unquantized {error:.2e}"
@@ -184,6 +185,34 @@ def test_prefill_kernel_takes_decodes_too(dtype, heads_per_kv) -> None:
     assert not out.isnan().any()
     error = (out.double() - expected).norm() / expected.norm()
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+
+
+# Short chunks after long prefixes (contexts on and off tile and split boundaries), a prompt, decodes.
+LONG_CONTEXTS = [(3000, 37), (0, 5), (700, 1), (5000, 200), (64, 2), (4096, 1), (256, 64), (1000, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
+@pytest.mark.parametrize("num_splits", [2, 8])
+def test_context_splits(dtype, num_splits) -> None:
+    """num_splits > 1 (metadata.step_splits_contexts: a short chunk after a long prefix): programs share
+    each context and the last of a tile's splits merges their states; the answer is the reference's, every
+    row written."""
+    if dtype == "fp8":
+        test_fp8_cache(128, 2, 16, LONG_CONTEXTS, split_decodes=False, num_splits=num_splits)
+        return
+    q, k, v, cache, metadata = make_batch(LONG_CONTEXTS, 4, 2, 128, 16, dtype, seed=num_splits)
+    metadata = dataclasses.replace(metadata, split_decodes=False)
+    store_kv(k, v, cache, metadata.slot_mapping)
+    expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
+    for _ in range(2):  # each tile's arrival count is back at 0 for the next launch
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, cache, metadata, 128**-0.5, out=out, key=k, value=v, num_splits=num_splits)
+        assert not out.isnan().any()
+        error = (out.double() - expected).norm() / expected.norm()
+        assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+    assert all(not scratch.arrivals.any() for scratch in _SPLIT_SCRATCH.values())
+    if dtype != torch.float32:  # fewer, taller tiles: each reads the whole context
+        assert prefill_config(64, dtype, 128, False, splits=True) == PREFILL_SHORT
 
 
 @pytest.mark.parametrize("num_tokens", [2, 64, 128, 129, 1024, 2048, 2049, 8192])

@@ -39,9 +39,21 @@ FEW_SEQS = 8
 FEW_SEQS_MAX_TOKENS = 512
 
 
+# Such a step of at most FEW_SEQS_SPLIT_MAX_TOKENS tokens also shares each sequence's cached context
+# out among several programs per query tile (by its length, in the kernel), as flash-decoding does
+# for a decode: a short chunk after a long prefix (a new turn of a long chat) would otherwise leave
+# most SMs idle, its few query tiles each walking the whole prefix.
+FEW_SEQS_SPLIT_MAX_TOKENS = 256
+
+
 def step_splits_decodes(num_seqs: int, num_tokens: int, max_query_len: int) -> bool:
     """Whether a step's one-token sequences go to a decode kernel of their own (see FEW_SEQS)."""
     return max_query_len == 1 or num_seqs > FEW_SEQS or num_tokens > FEW_SEQS_MAX_TOKENS
+
+
+def step_splits_contexts(split_decodes: bool, num_tokens: int) -> bool:
+    """Whether a step with prefill chunks shares its contexts out (see FEW_SEQS_SPLIT_MAX_TOKENS)."""
+    return not split_decodes and num_tokens <= FEW_SEQS_SPLIT_MAX_TOKENS
 
 
 @dataclass

@@ -54,7 +54,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minivllm.worker import pdl
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
-from minivllm.worker.attention.metadata import DECODE_LONG_CONTEXT, AttentionBackend, AttentionMetadata, RopeInputs
+from minivllm.worker.attention.metadata import (
+    DECODE_LONG_CONTEXT,
+    FEW_SEQS_SPLIT_MAX_TOKENS,
+    AttentionBackend,
+    AttentionMetadata,
+    RopeInputs,
+    step_splits_contexts,
+)
 
 
 @triton.jit
@@ -398,12 +405,21 @@ def _paged_attention_kernel(
     stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
-    SPLIT_DECODES: tl.constexpr,
+    SPLIT_DECODES: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     """SPLIT_DECODES: one-token sequences are the decode kernel's (else this kernel takes them too).
+    NUM_SPLITS > 1 (program_id(1) is the split): a sequence's cached context, the whole key tiles
+    before its chunk, is shared out among up to NUM_SPLITS programs per query tile, by its length
+    (_context_splits): a short chunk after a long prefix would otherwise leave most SMs idle, its
+    few tiles each walking the whole prefix. The last split also takes the rest (the causal
+    diagonal, an FP8 chunk's own keys). Splits of a tile that has several write their partial
+    softmax states ([token, head, split]) and count themselves in at arrivals_ptr[program_id(0)];
+    the last to arrive merges the states, writes the output and sets the count back to 0, so no
+    second kernel runs. A tile with one split writes its output as without splitting.
     FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
     [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
     Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
@@ -432,6 +448,14 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens cached before this step's chunk
+    split = 0
+    num_used = 1
+    if NUM_SPLITS > 1:
+        split = tl.program_id(1)
+        context_tiles = tl.maximum(context_len, 0) // BLOCK_N
+        num_used = _context_splits(context_tiles, NUM_SPLITS)
+        if split >= num_used:
+            return
 
     # Row m of the tile is query token (tile_in_seq * BLOCK_Q + m // HEADS_PER_KV) of the chunk,
     # head (kv_head * HEADS_PER_KV + m % HEADS_PER_KV).
@@ -467,14 +491,22 @@ def _paged_attention_kernel(
         first_pos = context_len + tile_in_seq * BLOCK_Q
         cache_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
         cache_unmasked_end = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, cache_end), 0)
-    for key_start in range(0, cache_unmasked_end, BLOCK_N):
+    key_lo = 0
+    key_hi = cache_unmasked_end
+    is_last = True
+    if NUM_SPLITS > 1:  # split s: context tiles [s * n // used, (s + 1) * n // used); the last, the rest too
+        is_last = split == num_used - 1
+        key_lo = split * context_tiles // num_used * BLOCK_N
+        key_hi = tl.where(is_last, cache_unmasked_end, (split + 1) * context_tiles // num_used * BLOCK_N)
+        cache_end = tl.where(is_last, cache_end, key_hi)  # (no masked tiles but the last split's)
+    for key_start in range(key_lo, key_hi, BLOCK_N):
         acc, l_i, m_i = _attend_key_tile(
             q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
             stride_scale_block, stride_scale_slot, stride_scale_head,
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
-    for key_start in range(cache_unmasked_end, cache_end, BLOCK_N):
+    for key_start in range(key_hi, cache_end, BLOCK_N):
         acc, l_i, m_i = _attend_key_tile(
             q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -487,6 +519,8 @@ def _paged_attention_kernel(
         if FP8 and not IEEE_FP32:
             q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # the chunk's keys are in the model's dtype
         chunk_keys = tl.where(seq_len > 0, tl.minimum(q_len, (tile_in_seq + 1) * BLOCK_Q), 0)
+        if NUM_SPLITS > 1:
+            chunk_keys = tl.where(is_last, chunk_keys, 0)
         first_query = tile_in_seq * BLOCK_Q
         unmasked_end = tl.minimum((first_query + 1) // BLOCK_N * BLOCK_N, chunk_keys)
         key_rows = key_ptr + q_start.to(tl.int64) * stride_key_token + kv_head * stride_key_head
@@ -500,10 +534,61 @@ def _paged_attention_kernel(
                 q, acc, l_i, m_i, key_start, token_in_chunk, chunk_keys, key_rows, value_rows, scale_log2e,
                 stride_key_token, stride_value_token, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_N, True, IEEE_FP32)
 
+    writes_out = True
+    if NUM_SPLITS > 1:
+        writes_out = num_used == 1
+        if num_used > 1:
+            state = ((q_start + token_in_chunk).to(tl.int64) * num_heads + head) * NUM_SPLITS
+            tl.store(partial_max_ptr + state + split, m_i, mask=row_valid)
+            tl.store(partial_sum_ptr + state + split, l_i, mask=row_valid)
+            tl.store(partial_out_ptr + (state + split)[:, None] * HEAD_DIM_PADDED + offs_d[None, :], acc,
+                     mask=row_valid[:, None])
+            # Every thread's stores before the count (its release), as a semaphore does.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            writes_out = arrived == num_used - 1
+            if writes_out:
+                tl.store(arrivals_ptr + pid, 0)
+                acc, l_i = _merge_split_states(partial_out_ptr, partial_max_ptr, partial_sum_ptr, state, num_used,
+                                               row_valid, offs_d, BLOCK_M, HEAD_DIM_PADDED)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = (q_start + token_in_chunk).to(tl.int64) * stride_o_token + head * stride_o_head
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & d_valid[None, :])
+             mask=row_valid[:, None] & d_valid[None, :] & writes_out)
+
+
+# A prefill split takes at least this many key tiles of its sequence's context.
+MIN_TILES_PER_SPLIT: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit
+def _context_splits(context_tiles, NUM_SPLITS: tl.constexpr):
+    """How many programs share a context of context_tiles whole key tiles: enough that each takes
+    at least MIN_TILES_PER_SPLIT, at most NUM_SPLITS, at least 1."""
+    return tl.maximum(tl.minimum(context_tiles // MIN_TILES_PER_SPLIT, NUM_SPLITS), 1)
+
+
+@triton.jit
+def _merge_split_states(partial_out_ptr, partial_max_ptr, partial_sum_ptr, state, num_used,
+                        row_valid, offs_d, BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+    """The unnormalized output and softmax sum of a tile's rows over all its splits' states
+    (state: each row's first). Read past the L1 (.cg): other SMs wrote them."""
+    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_all = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    for s in range(0, num_used):
+        m_s = tl.load(partial_max_ptr + state + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(partial_sum_ptr + state + s, mask=row_valid, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(partial_out_ptr + (state + s)[:, None] * HEAD_DIM_PADDED + offs_d[None, :],
+                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_all, m_s)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet: both weights 0
+        alpha = tl.math.exp2(m_all - base)
+        beta = tl.math.exp2(m_s - base)
+        acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
+        l_all = l_all * alpha + l_s * beta
+        m_all = m_new
+    return acc_all, l_all
 
 
 @triton.jit
@@ -759,10 +844,17 @@ PREFILL_TINY = PrefillConfig(16, 64, 4, 2, None)  # steps of up to 128 tokens
 PREFILL_SHORT = PrefillConfig(64, 64, 4, 3, None)  # up to 2,048 (FP8: 1,024)
 
 
-def prefill_config(num_tokens: int, dtype: torch.dtype, head_dim: int, fp8: bool) -> PrefillConfig:
-    """The prefill kernel's tile shape for a step of num_tokens query tokens."""
+def prefill_config(num_tokens: int, dtype: torch.dtype, head_dim: int, fp8: bool,
+                   splits: bool = False) -> PrefillConfig:
+    """The prefill kernel's tile shape for a step of num_tokens query tokens (`splits`: whose
+    contexts are shared out, paged_attention's num_splits > 1)."""
     if dtype == torch.float32 or head_dim > 128:
         return PREFILL_SMALL
+    # Each query tile reads its sequence's whole context, so after a long prefix fewer, taller
+    # tiles win: 128 new tokens after 16k cached, 198 us a layer in 16-row tiles against 76 in
+    # 64-row ones (437 unsplit); a fresh 128-token prompt 6 against 7 (H200, in CUDA graphs).
+    if splits:
+        return PREFILL_SHORT
     if num_tokens <= 128:
         return PREFILL_TINY
     if num_tokens <= (1024 if fp8 else 2048):
@@ -893,10 +985,56 @@ def decode_attention(
     return out
 
 
+# Most programs that share a short chunk's context (metadata.step_splits_contexts).
+PREFILL_SPLITS = 8
+
+
+class _SplitScratch(NamedTuple):
+    """What the prefill kernel's context splits write: partial states [token, head, split] (values,
+    maxima, sums) for up to `tokens` tokens, and one arrival count per program (kept at 0)."""
+
+    tokens: int
+    partial_out: torch.Tensor
+    partial_max: torch.Tensor
+    partial_sum: torch.Tensor
+    arrivals: torch.Tensor
+
+
+# (device, heads, splits, padded head dim) -> scratch. Every layer and every graph of the process
+# takes its turn with the same one (one stream). One that grows leaves the old in _RETIRED_SCRATCH:
+# a graph captured with it may still use it.
+_SPLIT_SCRATCH: dict[tuple, _SplitScratch] = {}
+_RETIRED_SCRATCH: list[_SplitScratch] = []
+
+
+def _split_scratch(num_tokens: int, num_heads: int, num_splits: int, head_dim_padded: int, num_programs: int,
+                   device: torch.device) -> _SplitScratch:
+    key = (device, num_heads, num_splits, head_dim_padded)
+    scratch = _SPLIT_SCRATCH.get(key)
+    if scratch is not None and scratch.tokens >= num_tokens and scratch.arrivals.numel() >= num_programs:
+        return scratch
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # (What a capture allocates is its graph pool's, which other graphs' tensors reuse.)
+        raise RuntimeError("prefill split scratch first asked for inside a CUDA graph capture: run the step's "
+                           "shape eagerly first")
+    tokens = max(num_tokens, FEW_SEQS_SPLIT_MAX_TOKENS, scratch.tokens if scratch else 0)
+    # (A tile of a sequence holds at least one token, so a step has at most tokens + sequences tiles.)
+    programs = max(num_programs, 2 * tokens * num_heads)
+    partial_max = torch.empty(tokens, num_heads, num_splits, dtype=torch.float32, device=device)
+    new = _SplitScratch(tokens, torch.empty(tokens, num_heads, num_splits, head_dim_padded, dtype=torch.float32,
+                                            device=device),
+                        partial_max, torch.empty_like(partial_max),
+                        torch.zeros(programs, dtype=torch.int32, device=device))
+    if scratch is not None:
+        _RETIRED_SCRATCH.append(scratch)
+    _SPLIT_SCRATCH[key] = new
+    return new
+
+
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     out: torch.Tensor | None = None, config: PrefillConfig | None = None,
-    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> out [num_tokens, num_heads, head_dim]. A
     decode-only step goes to the decode kernel; a step with prefill chunks to the prefill kernel
@@ -908,7 +1046,10 @@ def paged_attention(
     their way to the tensor cores, which made an FP8 prefill 2.3x slower than a bfloat16 one, and
     the chunk's attention is more accurate for it. (A 16-bit cache holds exactly these values, and
     the second set of pipelined tiles would take the shared memory a second program per SM needs:
-    measured slower, so it reads the cache.) $MINIVLLM_PREFILL_FRESH_KV=0: the cache always."""
+    measured slower, so it reads the cache.) $MINIVLLM_PREFILL_FRESH_KV=0: the cache always.
+
+    num_splits: the most programs that may share a sequence's cached context (None: PREFILL_SPLITS
+    where metadata.step_splits_contexts says so, else 1); more than 1 needs split_decodes False."""
     if metadata.max_query_len == 1:
         return decode_attention(query, kv_cache, metadata, scale, out=out)
     if metadata.split_decodes:
@@ -919,12 +1060,22 @@ def paged_attention(
     layout = metadata.layout(kv_cache)
     block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
     heads_per_kv = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = PREFILL_SPLITS if step_splits_contexts(metadata.split_decodes, num_tokens) else 1
+    if num_splits > 1 and metadata.split_decodes:
+        raise ValueError("num_splits > 1 needs metadata.split_decodes False (the decode kernel's rows are not split)")
     if config is None:
-        config = prefill_config(num_tokens, query.dtype, head_dim, layout.fp8)
+        config = prefill_config(num_tokens, query.dtype, head_dim, layout.fp8, num_splits > 1)
     block_m = max(config.block_m, triton.next_power_of_2(heads_per_kv))
     block_q = max(1, block_m // heads_per_kv)
     num_seqs = metadata.num_seqs
-    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
+    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads, num_splits)
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        scratch = _split_scratch(num_tokens, num_heads, num_splits, head_dim_padded, grid[0], query.device)
+        splits_args = (scratch.partial_out, scratch.partial_max, scratch.partial_sum, scratch.arrivals, num_heads)
+    else:
+        splits_args = (out,) * 4 + (num_heads,)  # unused
     views = layout.split(kv_cache)
     k_scale, v_scale = _scales(views)
     fresh_kv = key is not None and value is not None and layout.fp8 and PREFILL_FRESH_KV
@@ -940,12 +1091,12 @@ def paged_attention(
         scale * 1.4426950408889634, num_seqs, num_kv_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views),
-        metadata.block_tables.stride(0),
-        HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)),
+        metadata.block_tables.stride(0), *splits_args,
+        HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
         IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, FRESH_KV=fresh_kv,
         ACTIVE_SEQS=metadata.num_active_seqs is not None, SPLIT_DECODES=metadata.split_decodes,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        NUM_SPLITS=num_splits, num_warps=config.num_warps, num_stages=config.num_stages,
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
     return out
