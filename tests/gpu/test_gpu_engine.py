@@ -33,6 +33,25 @@ def test_fp32_cuda_equals_cpu_reference(tiny_model_factory, arch: str) -> None:
     assert generate(model_dir, device="cuda", dtype="float32", max_num_batched_tokens=32) == expected
 
 
+def test_new_turns_after_a_long_cached_prefix_equal_cpu_reference(tiny_model_factory) -> None:
+    """Short chunks after a long cached prefix: a few-sequence step whose contexts are shared out
+    among programs (metadata.step_splits_contexts). In fp32, eagerly and in CUDA graphs, the same
+    greedy tokens as the CPU reference computing each whole prompt without a prefix cache."""
+    model_dir = tiny_model_factory("qwen3", max_position_embeddings=4096)
+    prefix = [(13 * j) % 500 + 1 for j in range(3000)]
+    turns = [{"prompt_token_ids": prefix + [(7 * j + i) % 500 + 1 for j in range(n)]} for i, n in enumerate([40, 3])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model_dir, device="cpu", max_model_len=4096, enable_prefix_caching=False) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(turns, params, use_tqdm=False)]
+    for enforce_eager in (True, False):
+        with LLM(model_dir, device="cuda", dtype="float32", max_model_len=4096, max_num_seqs=4,
+                 max_num_batched_tokens=1024, enforce_eager=enforce_eager) as llm:
+            llm.generate({"prompt_token_ids": prefix}, SamplingParams(max_tokens=1), use_tqdm=False)
+            outputs = llm.generate(turns, params, use_tqdm=False)
+        assert [o.num_cached_tokens for o in outputs] == [2992, 2992]  # the prefix's full blocks
+        assert [o.outputs[0].token_ids for o in outputs] == expected, enforce_eager
+
+
 def test_cuda_graphs_equal_eager_bf16(tiny_model_factory) -> None:
     model_dir = tiny_model_factory("qwen3")
     assert generate(model_dir, device="cuda") == generate(model_dir, device="cuda", enforce_eager=True)
