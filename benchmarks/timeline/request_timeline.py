@@ -6,7 +6,8 @@ the worker: a timeline of one request, as `bench latency` times it.
 
 Re-runs itself with this directory on PYTHONPATH, so that sitecustomize.py timestamps the entry and
 exit of the calls it names in every process (no change to minivllm itself); each iteration is one
-`generate` of max_tokens=1 after a prefix-cache reset. Then prints, per stage of the request's way
+`generate` of max_tokens=1 after a prefix-cache reset (with --prefix-len, after a request that caches
+a prefix the timed prompt follows: a long chat's new turn). Then prints, per stage of the request's way
 (the first matching mark after the previous stage's), the median time it took, and the marks of the
 median iteration. The marks cost a few microseconds each, so the total reads a little above
 `bench latency`'s. (On the CPU no graph is launched: that stage is the forward itself.)
@@ -18,6 +19,7 @@ import argparse
 import builtins
 import glob
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -60,8 +62,13 @@ def run_iterations(args: argparse.Namespace) -> None:
         prompt = {"prompt_token_ids": [(i * 7919) % (vocab - 10) + 10 for i in range(args.input_len)]}
         first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        rng = random.Random(0)
         for i in range(args.num_iters):
             llm.reset_prefix_cache()
+            if args.prefix_len:  # a new turn: a cached prefix of its own, then the prompt after it
+                prefix = [rng.randrange(10, vocab - 10) for _ in range(args.prefix_len)]
+                llm.generate({"prompt_token_ids": prefix}, first, use_tqdm=False)
+                prompt = {"prompt_token_ids": prefix + [rng.randrange(10, vocab - 10) for _ in range(args.input_len)]}
             mark(f"ITER {i} start")
             llm.generate(prompt, first, use_tqdm=False)
             mark(f"ITER {i} end")
@@ -122,6 +129,9 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--num-iters", type=int, default=20)
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="time a new turn instead: --input-len tokens after this many cached ones (a prefix "
+                             "of its own each iteration, run once before it is timed)")
     parser.add_argument("--idle-ms", type=float, default=0.0, help="pause between iterations")
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "uni"],
                         help="uni: the worker inside the EngineCore process")
