@@ -112,22 +112,29 @@ def test_large_decode_batches_replay_graphs_and_equal_eager() -> None:
     del junk
 
 
+def prefill_graphs(num_seqs: int, max_blocks: int, max_num_batched_tokens: int, seed: int):
+    """(block table, forward, buffers, graphs) for steps with prefill chunks over an fp32 cache of
+    num_seqs x max_blocks blocks, each sequence's blocks spread at random."""
+    device = torch.device("cuda")
+    layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
+    cache = layout.allocate(num_seqs * max_blocks, device)
+    block_table = np.random.default_rng(seed).permutation(num_seqs * max_blocks).astype(np.int32).reshape(num_seqs, -1)
+    forward = attention_layer(cache, device)
+    buffers = StepBuffers(max_num_batched_tokens, num_seqs, max_blocks, device)
+    buffers.kv_layout = layout
+    graphs = StepGraphs(forward, buffers, max_num_seqs=num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        max_model_len=max_blocks * BLOCK)
+    return block_table, forward, buffers, graphs
+
+
 def test_few_and_many_sequence_steps_replay_their_graphs_and_equal_eager() -> None:
     """Up to FEW_SEQS sequences (and FEW_SEQS_MAX_TOKENS tokens) with prefill chunks: a few graph,
     padded to FEW_SEQS + 1 sequences, without the decode kernel (decodes included go to the prefill
     kernel, eagerly too); more sequences or tokens: a mixed graph. Padding rows come out zero, a
     padding sequence of one token included (which no decode kernel takes there)."""
     torch.manual_seed(2)
-    device = torch.device("cuda")
     num_seqs = 12
-    layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
-    cache = layout.allocate(num_seqs * MAX_BLOCKS, device)
-    block_table = np.random.default_rng(3).permutation(num_seqs * MAX_BLOCKS).astype(np.int32).reshape(num_seqs, -1)
-    forward = attention_layer(cache, device)
-    buffers = StepBuffers(1024, num_seqs, MAX_BLOCKS, device)
-    buffers.kv_layout = layout
-    graphs = StepGraphs(forward, buffers, max_num_seqs=num_seqs, max_num_batched_tokens=1024,
-                        max_model_len=MAX_BLOCKS * BLOCK)
+    block_table, forward, buffers, graphs = prefill_graphs(num_seqs, MAX_BLOCKS, 1024, seed=3)
     assert graphs.few_buckets == [64, 128, 256, 512] and graphs.few_seqs == FEW_SEQS == 8
 
     contexts = [10] * num_seqs
@@ -152,17 +159,7 @@ def test_short_chunks_after_long_prefixes_share_their_contexts_in_graphs_as_eage
     """A few-sequence step of up to FEW_SEQS_SPLIT_MAX_TOKENS tokens shares its contexts out among
     programs (step_splits_contexts), in its graph as eagerly, and the two agree; a longer one does not."""
     torch.manual_seed(3)
-    device = torch.device("cuda")
-    num_seqs, max_blocks = 4, 200  # 3,200 tokens a sequence
-    layout = KVCacheLayout(BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
-    cache = layout.allocate(num_seqs * max_blocks, device)
-    block_table = np.random.default_rng(4).permutation(num_seqs * max_blocks).astype(np.int32).reshape(num_seqs, -1)
-    forward = attention_layer(cache, device)
-    buffers = StepBuffers(512, num_seqs, max_blocks, device)
-    buffers.kv_layout = layout
-    graphs = StepGraphs(forward, buffers, max_num_seqs=num_seqs, max_num_batched_tokens=512,
-                        max_model_len=max_blocks * BLOCK)
-
+    block_table, forward, buffers, graphs = prefill_graphs(4, 200, 512, seed=4)  # 3,200 tokens a sequence
     contexts = [3000, 2100, 40, 500]
     for i, context in enumerate(contexts):  # the prompts into the cache, 500 tokens a step
         for start in range(0, context, 500):
@@ -174,6 +171,7 @@ def test_short_chunks_after_long_prefixes_share_their_contexts_in_graphs_as_eage
         step = make_step(contexts[: len(query_lens)], query_lens, block_table)
         assert graphs.bucket(step)[0] == ("few", bucket), query_lens
         metadata = buffers.load(step)
-        assert step_splits_contexts(metadata.split_decodes, step.num_tokens) == split == (step.num_tokens <= FEW_SEQS_SPLIT_MAX_TOKENS)
+        assert step_splits_contexts(metadata.split_decodes, step.num_tokens) == split
+        assert split == (step.num_tokens <= FEW_SEQS_SPLIT_MAX_TOKENS)
         expected = forward(*buffers.forward_inputs, metadata).clone()
         torch.testing.assert_close(graphs.run(step), expected)
