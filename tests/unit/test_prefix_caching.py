@@ -81,6 +81,57 @@ def test_request_block_hashes_extend_as_outputs_fill_blocks() -> None:
     manager.free(request)
 
 
+def test_a_request_takes_the_hashes_of_the_last_that_began_the_same_way_where_tokens_agree(monkeypatch) -> None:
+    """A chat's next turn repeats the last turn's tokens: it takes that request's block hashes as far
+    as their tokens agree (no sha256 for them), and hashes the rest. Its hashes always equal
+    hashing every block, whatever donor it met: a longer or shorter one, one parting mid-block or
+    at a block's edge, one with outputs, one with another salt (no donor), another first block."""
+    import minivllm.core.block_pool as block_pool
+
+    manager = KVCacheManager(BLOCK_SIZE, 256, enable_caching=True)
+    base = list(range(100, 140))  # 10 blocks
+    calls = []
+
+    def blocks_hashed(tokens, salt=None, outputs=()) -> int:
+        """How many blocks the request hashed itself (its hashes checked against hashing all)."""
+        request = make_req(f"r{len(calls)}", tokens, cache_salt=salt)
+        request.output_token_ids += list(outputs)
+        calls.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(block_pool, "hash_block_tokens", lambda *a: calls.append(a) or hash_block_tokens(*a))
+            got = list(manager._get_block_hashes(request))
+        assert got == hash_request_blocks(tokens + list(outputs), BLOCK_SIZE, cache_salt=salt)
+        return len(calls)
+
+    assert blocks_hashed(base[:22], outputs=[7, 8]) == 6  # 6 full blocks, the last with its outputs
+    assert blocks_hashed(base[:22] + [7, 8] + base[24:]) == 10 - 6  # agrees with all 6 donated blocks
+    # (Each request is the next one's donor.)
+    assert blocks_hashed(base[:12] + [1] + base[13:]) == 10 - 3  # parts at block 3's first token
+    assert blocks_hashed(base[:9] + [1] + base[10:]) == 10 - 2  # parts inside block 2
+    assert blocks_hashed(base[:6]) == 0  # shorter than its donor: 1 full block
+    assert blocks_hashed(base, salt="other") == 10  # another salt: no donor
+    assert blocks_hashed([1] + base[1:]) == 10  # another first block: no donor
+    for i in range(20):  # at most MAX_HASH_DONORS donors are kept
+        blocks_hashed([i] + base[1:8])
+    assert len(manager._hash_donors) == 16
+
+
+def test_donated_hashes_equal_hashing_on_random_turns() -> None:
+    """Random requests that share prefixes with earlier ones (a few first blocks, cut anywhere, salted
+    or not): every request's hashes equal hashing its tokens."""
+    import random
+
+    rng = random.Random(0)
+    manager = KVCacheManager(BLOCK_SIZE, 256, enable_caching=True)
+    earlier = [[rng.randrange(5) for _ in range(rng.randrange(1, 60))] for _ in range(4)]
+    for i in range(300):
+        tokens = rng.choice(earlier)[: rng.randrange(0, 60)] + [rng.randrange(5) for _ in range(rng.randrange(1, 30))]
+        salt = rng.choice([None, None, "s"])
+        request = make_req(f"r{i}", tokens, cache_salt=salt)
+        assert manager._get_block_hashes(request) == hash_request_blocks(tokens, BLOCK_SIZE, cache_salt=salt)
+        earlier[rng.randrange(4)] = tokens
+
+
 # ---------------------------------------------------------------- hits and ref counts
 
 
