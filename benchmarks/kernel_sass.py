@@ -90,10 +90,10 @@ def main() -> None:
         ints = dict(strides, stride_q_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_q_head=HEAD_DIM,
                     stride_o_token=HEADS * HEAD_DIM, stride_o_head=HEAD_DIM, stride_block_table=4096, num_seqs=257,
                     num_kv_heads=KV_HEADS, stride_key_token=KV_HEADS * HEAD_DIM, stride_key_head=HEAD_DIM,
-                    stride_value_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_value_head=HEAD_DIM)
+                    stride_value_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_value_head=HEAD_DIM, num_heads=HEADS)
         pointers = {name: cache if name in ("k_cache_ptr", "v_cache_ptr") else "*fp32" if "scale" in name or "partial" in name
                     else "*i32" if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr",
-                                            "positions_ptr", "num_active_seqs_ptr")
+                                            "positions_ptr", "num_active_seqs_ptr", "arrivals_ptr")
                     else "*i64" if name == "slot_mapping_ptr"
                     else "*fp32" if name in ("cos_ptr", "sin_ptr")
                     else "*bf16" for name in ta._paged_decode_kernel.arg_names + ta._paged_attention_kernel.arg_names
@@ -108,14 +108,17 @@ def main() -> None:
                 MIN_SCALE=ta.MIN_SCALE), ("scale_log2e", "eps"), decode.num_warps,
                 decode.num_stages, decode.maxnreg)
             report(f"decode-{'fp8' if fp8 else 'bf16'}{name}", compiled, args.out)
-        prefill = ta.PREFILL_FP8 if fp8 else ta.PREFILL
-        for fresh_kv in (False, True):  # a chunk's own keys from the cache, or from the step's k and v
+        # a long prompt's step (a chunk's own keys from the cache, or from the step's k and v), and a
+        # short chunk after a long prefix (a few-sequence step: contexts split, decodes included)
+        for fresh_kv, splits in ((False, 1), (True, 1), (fp8, ta.PREFILL_SPLITS)):
+            prefill = ta.PREFILL_SHORT if splits > 1 else ta.PREFILL_FP8 if fp8 else ta.PREFILL
             compiled = compile_sm90(ta._paged_attention_kernel, ints, pointers, dict(
                 HEADS_PER_KV=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
                 BLOCK_Q=prefill.block_m // (HEADS // KV_HEADS), BLOCK_M=prefill.block_m, BLOCK_N=prefill.block_n,
-                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv, ACTIVE_SEQS=True), ("scale_log2e",),
-                prefill.num_warps, prefill.num_stages, prefill.maxnreg)
-            report(f"prefill-{'fp8' if fp8 else 'bf16'}{'-fresh' if fresh_kv else ''}", compiled, args.out)
+                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv, ACTIVE_SEQS=True, SPLIT_DECODES=splits == 1,
+                NUM_SPLITS=splits), ("scale_log2e",), prefill.num_warps, prefill.num_stages, prefill.maxnreg)
+            report(f"prefill-{'fp8' if fp8 else 'bf16'}{'-fresh' if fresh_kv else ''}{'-split' if splits > 1 else ''}",
+                   compiled, args.out)
 
 
 if __name__ == "__main__":
