@@ -30,6 +30,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu
 
+from minivllm.worker.attention import hopper_prefill
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import FEW_SEQS, step_splits_decodes
 from minivllm.worker.attention.triton_attention import (
@@ -81,7 +82,7 @@ def causal_pairs(context: int, query: int) -> int:
     return query * context + query * (query + 1) // 2
 
 
-def build_step(cases, fp8: bool, graph_seqs: int = 0):
+def build_step(cases, fp8: bool, graph_seqs: int = 0, contiguous: bool = False):
     """A step of `cases`, padded with empty sequences as the engine's graph for it would be (a mixed
     graph's graph_seqs, or a few-sequence graph's FEW_SEQS + 1, without the decode kernel; graph_seqs
     0: no padding, as an eager step)."""
@@ -89,7 +90,8 @@ def build_step(cases, fp8: bool, graph_seqs: int = 0):
     few = not step_splits_decodes(num_real, sum(n for _, n in cases), max_query_len)
     pad_to = 0 if not graph_seqs or max_query_len == 1 else FEW_SEQS + 1 if few else graph_seqs
     cases = cases + [(0, 0)] * max(0, pad_to - num_real)
-    q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0)
+    q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0,
+                                          contiguous=contiguous)
     if len(cases) > num_real:  # the sequences before the padding, as a graph's buffers say
         md = dataclasses.replace(md, num_active_seqs=torch.tensor([num_real], dtype=torch.int32, device="cuda"))
     md = dataclasses.replace(md, split_decodes=not few)
@@ -122,6 +124,9 @@ def main() -> None:
                              "(max_num_seqs + 1); 0: no padding")
     parser.add_argument("--splits", type=int, help="prefill: the most programs sharing a context (default: the "
                                                     "engine's rule, metadata.step_splits_contexts)")
+    parser.add_argument("--contiguous-blocks", action="store_true",
+                        help="each sequence's cache blocks consecutive, as a fresh engine hands them out (default: "
+                             "scattered at random, as after a while of serving)")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time each shape replayed in a CUDA graph, as the engine runs it (for short steps, "
                              "whose kernels take a few microseconds: no launch overhead in the figure)")
@@ -134,7 +139,7 @@ def main() -> None:
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for name in args.cases.split(","):
-        steps = [build_step(cases, args.fp8, args.graph_seqs) for cases in CASES[name]]
+        steps = [build_step(cases, args.fp8, args.graph_seqs, args.contiguous_blocks) for cases in CASES[name]]
         decode = steps[0][2].max_query_len == 1
         layout = steps[0][2].layout(steps[0][1])
         if decode:
@@ -169,6 +174,11 @@ def main() -> None:
         best = "\n    ".join(f"{tuple(t)} {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}" for ms, t in results[: args.top])
         print(f"{name}{' fp8' if args.fp8 else ''}: default {default_ms * 1000:.0f} us = "
               f"{work / default_ms * 1000:.2f} {unit}; best {best}")
+        if not decode and hopper_prefill.supports(steps[0][0], layout, steps[0][2]):
+            hopper_prefill.ENABLED = False  # the same step on the Triton kernel
+            ms = bench(lambda: run(None))
+            hopper_prefill.ENABLED = True
+            print(f"  (that was the Hopper kernel) Triton's default: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if decode:  # the default shape without running the longest sequences first
             in_order = (DECODE_FP8 if args.fp8 else DECODE)._replace(longest_first=False)
             ms = bench(lambda: run(in_order))

@@ -30,6 +30,7 @@ import torch
 
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from minivllm.worker.attention import hopper_prefill
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata
 from minivllm.worker.cuda_graphs import StepBuffers, StepGraphs, max_step_tokens, run_forward
@@ -108,6 +109,8 @@ class ModelRunner:
             from minivllm.worker.attention import cpu_decode
 
             cpu_decode.prepare(self.kv_layout)
+        elif self.device.type == "cuda":  # likewise the Hopper prefill kernel (nvcc, ~2 s)
+            hopper_prefill.serves(self.dtype, self.kv_layout, self.device)
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.seed_rng = np.random.default_rng(config.seed)  # row seeds of the fused CUDA sampler
@@ -253,7 +256,9 @@ class ModelRunner:
                 self.graphs = StepGraphs(
                     self._forward, self.buffers, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                     self.config.max_model_len, verify_query_len=spec.num_speculative_tokens + 1 if spec else 0,
-                    max_verify_seqs=spec.max_speculating_batch if spec else 0, sample=sample)
+                    max_verify_seqs=spec.max_speculating_batch if spec else 0, sample=sample,
+                    eager_prefill=hopper_prefill.takes if hopper_prefill.serves(self.dtype, self.kv_layout,
+                                                                                self.device) else None)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:

@@ -33,12 +33,16 @@ MIXED = [(0, 37), (16, 16), (0, 1), (100, 1), (31, 1), (64, 70), (5, 200), (1000
 DECODES = [(n, 1) for n in (1, 15, 16, 17, 63, 64, 65, 300, 1025)]
 
 
-def make_batch(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+def make_batch(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, contiguous=False):
+    """contiguous: each sequence's blocks are consecutive in the cache (as a fresh engine hands
+    them out); else they are scattered at random."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     seq_lens = [c + q for c, q in cases]
     blocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks) + 5
     perm = torch.randperm(num_blocks, device="cuda", generator=gen)
+    if contiguous:
+        perm = torch.arange(num_blocks, device="cuda")
     tables = torch.zeros(len(cases), max(blocks) + 2, dtype=torch.int32, device="cuda")
     start = 0
     for i, n in enumerate(blocks):

@@ -53,6 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minivllm.worker import pdl
+from minivllm.worker.attention import hopper_prefill
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
 from minivllm.worker.attention.metadata import (
     DECODE_LONG_CONTEXT,
@@ -1050,7 +1051,10 @@ def paged_attention(
     measured slower, so it reads the cache.) $MINIVLLM_PREFILL_FRESH_KV=0: the cache always.
 
     num_splits: the most programs that may share a sequence's cached context (None: PREFILL_SPLITS
-    where metadata.step_splits_contexts says so, else 1); more than 1 needs split_decodes False."""
+    where metadata.step_splits_contexts says so, else 1); more than 1 needs split_decodes False.
+
+    Big steps on Hopper GPUs go to the CUDA kernel of hopper_prefill.py instead (unless `config`
+    names a Triton shape)."""
     if metadata.max_query_len == 1:
         return decode_attention(query, kv_cache, metadata, scale, out=out)
     if metadata.split_decodes:
@@ -1065,6 +1069,8 @@ def paged_attention(
         num_splits = PREFILL_SPLITS if step_splits_contexts(metadata.split_decodes, num_tokens) else 1
     if num_splits > 1 and metadata.split_decodes:
         raise ValueError("num_splits > 1 needs metadata.split_decodes False (the decode kernel's rows are not split)")
+    if config is None and num_splits == 1 and hopper_prefill.supports(query, layout, metadata):
+        return hopper_prefill.prefill_attention(query, kv_cache, layout, metadata, scale, out)
     if config is None:
         config = prefill_config(num_tokens, query.dtype, head_dim, layout.fp8, num_splits > 1)
     block_m = max(config.block_m, triton.next_power_of_2(heads_per_kv))
