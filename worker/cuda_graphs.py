@@ -95,10 +95,10 @@ class StepGraphs:
 
     def __init__(self, forward: Forward, buffers: StepBuffers, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, verify_query_len: int = 0, max_verify_seqs: int = 0,
-                 sample: Sample | None = None, eager_prefill: Callable[[int, int], bool] | None = None) -> None:
-        """eager_prefill(num_tokens, max_seq_len): whether a step with prompt tokens runs eagerly
-        although a graph would hold it (one whose attention has a faster kernel that graphs do not
-        capture: hopper_prefill.takes)."""
+                 sample: Sample | None = None, eager_prefill: Callable[[StepInputs], bool] | None = None) -> None:
+        """eager_prefill(step): whether a step with prompt tokens runs eagerly although a graph
+        would hold it (one whose attention has a faster kernel that graphs do not capture:
+        hopper_prefill.takes_step)."""
         self.buffers = buffers
         self.eager_prefill = eager_prefill
         self.max_num_seqs = max_num_seqs
@@ -200,7 +200,7 @@ class StepGraphs:
             size = next(b for b in self.few_buckets if b >= step.num_tokens)
             return ("few", size), size, self.few_seqs + 1
         size = next((b for b in self.mixed_buckets if b >= step.num_tokens), 0)
-        if self.eager_prefill is not None and self.eager_prefill(step.num_tokens, step.max_seq_len):
+        if self.eager_prefill is not None and self.eager_prefill(step):
             size = 0
         return ("mixed", size), size, self.max_num_seqs + 1
 

@@ -257,10 +257,15 @@ class ModelRunner:
                     self._forward, self.buffers, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                     self.config.max_model_len, verify_query_len=spec.num_speculative_tokens + 1 if spec else 0,
                     max_verify_seqs=spec.max_speculating_batch if spec else 0, sample=sample,
-                    eager_prefill=hopper_prefill.takes if hopper_prefill.serves(self.dtype, self.kv_layout,
-                                                                                self.device) else None)
+                    eager_prefill=self._takes_hopper_prefill if hopper_prefill.serves(
+                        self.dtype, self.kv_layout, self.device) else None)
 
     @torch.inference_mode()
+    def _takes_hopper_prefill(self, step: StepInputs) -> bool:
+        """Whether a step's attention goes to the Hopper prefill kernel (so it runs eagerly)."""
+        return hopper_prefill.takes_step(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens,
+                                         self.kv_layout.block_size)[0]
+
     def _warm_up_logits(self) -> None:
         """Run the LM head once for every row count an eager step can sample (1 to max_num_seqs, or
         that many verified tokens with speculative decoding).

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from minivllm.worker.attention import hopper_prefill
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata, step_splits_decodes
 from minivllm.worker.input_batch import StepInputs
@@ -197,8 +198,12 @@ class StepBuffers:
         self.forward_inputs = (views.input_ids, views.positions)
         self.pending_index, self.pending_source = self._pending_views(nbytes, num_pending)
         # (A graph's bucket says for itself; an eager step as a graph of its size would.)
-        return self.metadata(tokens, seqs, step.max_query_len, step.max_seq_len,
-                             step_splits_decodes(num_seqs, num_tokens, step.max_query_len))
+        metadata = self.metadata(tokens, seqs, step.max_query_len, step.max_seq_len,
+                                 step_splits_decodes(num_seqs, num_tokens, step.max_query_len))
+        if self.kv_layout is not None:  # (only a long prefill step computes it)
+            metadata.consecutive_share = hopper_prefill.takes_step(
+                num_tokens, step.max_seq_len, step.block_table, step.seq_lens, self.kv_layout.block_size)[1]
+        return metadata
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
                  split_decodes: bool = True) -> AttentionMetadata:

@@ -1,0 +1,59 @@
+"""Which prefill steps the Hopper kernel takes (worker/attention/hopper_prefill.py): decided on
+the host from a step's sizes and block table, so it is checked here without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minivllm.worker.attention import hopper_prefill as hp
+
+LONG = hp.MIN_SEQ_LEN
+
+
+def test_consecutive_share_counts_whole_tiles_of_long_sequences() -> None:
+    block_size = 16  # 8 blocks a 128-key tile
+    tiles = LONG // 128
+    consecutive = np.arange(tiles * 8)
+    scattered = np.random.default_rng(0).permutation(tiles * 8)
+    half = consecutive.copy()
+    half[: tiles * 4] = scattered[: tiles * 4] + 10**6  # the first half of the tiles broken up
+    table = np.zeros((4, tiles * 8 + 3), dtype=np.int32)
+    table[0, : tiles * 8] = consecutive
+    assert hp.consecutive_share(table[:1], np.array([LONG]), block_size) == 1.0
+    table[1, : tiles * 8] = scattered
+    assert hp.consecutive_share(table[1:2], np.array([LONG]), block_size) < 0.01
+    table[2, : tiles * 8] = half
+    assert hp.consecutive_share(table[2:3], np.array([LONG]), block_size) == 0.5
+    # Short sequences don't count (rows 2 and 3 here); a partial last tile doesn't either (row 0's 100).
+    lengths = np.array([LONG + 100, LONG, LONG - 1, 50])
+    share = hp.consecutive_share(table, lengths, block_size)
+    scattered_hits = int((np.diff(scattered.reshape(tiles, 8), axis=1) == 1).all(axis=1).sum())
+    assert share == (tiles + scattered_hits) / (2 * tiles)
+    assert hp.consecutive_share(table, np.array([LONG - 1] * 4), block_size) == 0.0  # no long sequence
+
+
+def test_descending_blocks_are_not_consecutive() -> None:
+    """A freed request's blocks come back last first: such a run is not one TMA box."""
+    tiles = LONG // 128
+    table = np.arange(tiles * 8)[::-1].reshape(1, -1).copy()
+    assert hp.consecutive_share(table, np.array([LONG]), 16) == 0.0
+
+
+def test_block_size_of_a_whole_tile_is_always_consecutive() -> None:
+    tiles = LONG // 128
+    table = np.random.default_rng(1).permutation(tiles).reshape(1, -1)
+    assert hp.consecutive_share(table, np.array([LONG]), 128) == 1.0
+
+
+def test_takes_big_steps_with_a_long_sequence_in_consecutive_enough_blocks() -> None:
+    assert hp.takes(hp.MIN_TOKENS, LONG)
+    assert hp.takes(hp.MIN_TOKENS, LONG, share=hp.MIN_CONSECUTIVE_SHARE)
+    assert not hp.takes(hp.MIN_TOKENS, LONG, share=hp.MIN_CONSECUTIVE_SHARE / 2)
+    assert not hp.takes(hp.MIN_TOKENS - 1, LONG)
+    assert not hp.takes(hp.MIN_TOKENS, LONG - 1)
+    tiles = LONG // 128
+    table = np.arange(tiles * 8).reshape(1, -1)
+    assert hp.takes_step(hp.MIN_TOKENS, LONG, table, np.array([LONG]), 16) == (True, 1.0)
+    assert hp.takes_step(hp.MIN_TOKENS, LONG, table[:, ::-1].copy(), np.array([LONG]), 16) == (False, 0.0)
+    # A step it could never take computes nothing.
+    assert hp.takes_step(hp.MIN_TOKENS - 1, LONG, table, np.array([LONG]), 16) == (False, None)
