@@ -6,16 +6,17 @@ import dataclasses
 
 import pytest
 import torch
-
 from minivllm.worker.attention import hopper_prefill
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.reference import paged_attention as reference_attention
 
+pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
+from minivllm.worker.attention.triton_attention import paged_attention, store_kv
+
+from tests.gpu.test_triton_attention import make_batch, with_graph_padding
+
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU")
-
-from tests.gpu.test_triton_attention import make_batch  # noqa: E402
-from minivllm.worker.attention.triton_attention import paged_attention, store_kv  # noqa: E402
 
 # (context cached before the step, tokens this step): prompts on and off tile boundaries, chunks
 # after prefixes on and off block and tile boundaries, decodes (one token after a context).
@@ -58,7 +59,7 @@ def test_kernel_equals_reference(heads_per_kv: int, block_size: int, contiguous:
     """Every prefill row equals the reference; the decode rows (the decode kernel's) stay untouched.
     Scattered blocks are gathered with cp.async; tiles of consecutive blocks are copied with TMA
     (in a contiguous batch, every tile but a sequence's last, which runs past its end)."""
-    q, k, v, cache, metadata = _batch(heads_per_kv, block_size, seed=heads_per_kv * 100 + block_size,
+    q, _, _, cache, metadata = _batch(heads_per_kv, block_size, seed=heads_per_kv * 100 + block_size,
                                       contiguous=contiguous)
     expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
     out = torch.full_like(q, float("nan"))
@@ -77,17 +78,10 @@ def test_graph_padding_comes_out_zero(pad_tokens: int) -> None:
     sequence of length 0 (negative positions, no keys), then empty sequences. They come out zero,
     and the real rows still equal the reference. (One padding token would be a decode: the decode
     kernel's.)"""
-    q, k, v, cache, metadata = _batch(2, 16, seed=pad_tokens)
+    q, _, _, cache, metadata = _batch(2, 16, seed=pad_tokens)
     expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
     num_tokens = q.shape[0]
-    ends = torch.tensor([num_tokens + pad_tokens] * 3, dtype=torch.int32, device="cuda")
-    padded = AttentionMetadata(
-        query_start_loc=torch.cat([metadata.query_start_loc, ends]),
-        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(3, dtype=torch.int32, device="cuda")]),
-        block_tables=torch.cat([metadata.block_tables, torch.zeros_like(metadata.block_tables[:3])]),
-        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad_tokens,), -1, device="cuda")]),
-        max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-    )
+    padded = with_graph_padding(metadata, num_tokens, pad_tokens)
     padded_q = torch.cat([q, torch.randn_like(q[:1]).expand(pad_tokens, -1, -1)])
     out = torch.full_like(padded_q, float("nan"))
     hopper_prefill.prefill_attention(padded_q, cache, metadata.layout(cache), padded, 128**-0.5, out)
@@ -100,7 +94,7 @@ def test_graph_padding_comes_out_zero(pad_tokens: int) -> None:
 
 def test_takes_decodes_when_told() -> None:
     """split_decodes False: no decode kernel runs, so the one-token sequences are this kernel's too."""
-    q, k, v, cache, metadata = _batch(2, 16, seed=7)
+    q, _, _, cache, metadata = _batch(2, 16, seed=7)
     metadata = dataclasses.replace(metadata, split_decodes=False)
     expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
     out = torch.full_like(q, float("nan"))
@@ -128,7 +122,7 @@ def test_long_prompt_and_chunk_after_it() -> None:
     """A 16k-token prompt, then an 8k-token chunk after 24k cached: rows far from the first keys
     (checked on a sample of rows, the first and last among them)."""
     for cases, contiguous in (([(0, 16384)], False), ([(0, 16384)], True), ([(24576, 8192)], True)):
-        q, k, v, cache, metadata = _batch(2, 16, seed=cases[0][0] + contiguous, cases=cases, contiguous=contiguous)
+        q, _, _, cache, metadata = _batch(2, 16, seed=cases[0][0] + contiguous, cases=cases, contiguous=contiguous)
         out = torch.full_like(q, float("nan"))
         hopper_prefill.prefill_attention(q, cache, metadata.layout(cache), metadata, 128**-0.5, out)
         assert not out.isnan().any()
@@ -159,7 +153,7 @@ def test_paged_attention_takes_it_for_big_steps_with_a_long_sequence(monkeypatch
 
 
 def test_refuses_what_it_does_not_serve() -> None:
-    q, k, v, cache, metadata = _batch(2, 16, seed=5, cases=CASES + [(8000, 300)])
+    q, _, _, cache, metadata = _batch(2, 16, seed=5, cases=CASES + [(8000, 300)])
     layout = metadata.layout(cache)
     assert hopper_prefill.supports(q, layout, metadata)
     assert not hopper_prefill.supports(q[: hopper_prefill.MIN_TOKENS - 1], layout, metadata)

@@ -254,6 +254,19 @@ def test_padding_rows_write_nothing_and_read_nothing() -> None:
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
 
+def with_graph_padding(metadata: AttentionMetadata, num_tokens: int, pad_tokens: int) -> AttentionMetadata:
+    """A mixed CUDA-graph bucket's padding after a step's num_tokens: one sequence of length 0
+    holding the pad_tokens padding tokens (slot -1), then two empty sequences."""
+    ends = torch.tensor([num_tokens + pad_tokens] * 3, dtype=torch.int32, device="cuda")
+    return AttentionMetadata(
+        query_start_loc=torch.cat([metadata.query_start_loc, ends]),
+        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(3, dtype=torch.int32, device="cuda")]),
+        block_tables=torch.cat([metadata.block_tables, torch.zeros_like(metadata.block_tables[:3])]),
+        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad_tokens,), -1, device="cuda")]),
+        max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
+    )
+
+
 @pytest.mark.parametrize("pad_tokens", [1, 3])
 def test_mixed_step_padding(pad_tokens) -> None:
     """A mixed CUDA-graph bucket's padding: its padding tokens form one sequence of length 0 (one
@@ -263,14 +276,7 @@ def test_mixed_step_padding(pad_tokens) -> None:
     store_kv(k, v, cache, metadata.slot_mapping)
     expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
     num_tokens = q.shape[0]
-    ends = torch.tensor([num_tokens + pad_tokens] * 3, dtype=torch.int32, device="cuda")
-    padded = AttentionMetadata(
-        query_start_loc=torch.cat([metadata.query_start_loc, ends]),
-        seq_lens=torch.cat([metadata.seq_lens, torch.zeros(3, dtype=torch.int32, device="cuda")]),
-        block_tables=torch.cat([metadata.block_tables, torch.zeros_like(metadata.block_tables[:3])]),
-        slot_mapping=torch.cat([metadata.slot_mapping, torch.full((pad_tokens,), -1, device="cuda")]),
-        max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-    )
+    padded = with_graph_padding(metadata, num_tokens, pad_tokens)
     out = torch.full((num_tokens + pad_tokens, *q.shape[1:]), float("nan"), dtype=q.dtype, device="cuda")
     paged_attention(torch.cat([q, torch.randn_like(q[:pad_tokens])]), cache, padded, 128**-0.5, out=out)
     assert torch.equal(out[num_tokens:], torch.zeros_like(out[num_tokens:]))

@@ -4,7 +4,6 @@ the host from a step's sizes and block table, so it is checked here without a GP
 from __future__ import annotations
 
 import numpy as np
-
 from minivllm.worker.attention import hopper_prefill as hp
 
 LONG = hp.MIN_SEQ_LEN
