@@ -306,25 +306,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const __nv_bfloat16* value_rows = p.value_cache + kv_head * p.cache_stride_head + chunk * 8;
     const int block_shift = p.block_size_log2;
     const int slot_mask = (1 << block_shift) - 1;
-    auto copy_tile = [&](uint32_t empty_bar, uint32_t full_bar, uint32_t tile_smem, const CUtensorMap* map,
-                         const __nv_bfloat16* rows, int t, int first_slot, bool consecutive, const int (&slots)[kBlockN / 8]) {
-      mbar_wait(empty_bar, ((t / kStages) & 1) ^ 1);  // a fresh barrier counts as released
-      if (consecutive) {
-        if (threadIdx.x == 0) {
-          mbar_expect_tx(full_bar, kTileBytes);
-          tma_load_3d(tile_smem, map, 0, kv_head, first_slot, full_bar);
-          tma_load_3d(tile_smem + kHalfBytes, map, 64, kv_head, first_slot, full_bar);
-        } else {
-          mbar_arrive(full_bar);
-        }
-        return;
-      }
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-        cp_async_16(tile_smem + chunk_smem + j * 8 * 128, rows + static_cast<int64_t>(max(slots[j], 0)) * p.cache_stride_slot,
-                    slots[j] >= 0);
-      cp_async_arrive(full_bar);
-    };
     for (int t = 0; t < num_key_tiles; ++t) {
       const int s = t % kStages;
       int slots[kBlockN / 8];  // this thread's rows' cache slots (-1: past the sequence, read as zeros)
@@ -340,9 +321,39 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) consecutive &= slots[j] == first_slot + 8 * j + row_in_step;
       consecutive = producers_all(consecutive);
-      // Keys, then values: each waits for its buffer, then comes by TMA or the gather.
-      copy_tile(k_empty(s), k_full(s), k_smem(s), &key_map, key_rows, t, first_slot, consecutive, slots);
-      copy_tile(v_empty(s), v_full(s), v_smem(s), &value_map, value_rows, t, first_slot, consecutive, slots);
+      const uint32_t k_bar = k_full(s), v_bar = v_full(s);
+      mbar_wait(k_empty(s), ((t / kStages) & 1) ^ 1);  // a fresh barrier counts as released
+      if (consecutive) {
+        if (threadIdx.x == 0) {
+          mbar_expect_tx(k_bar, kTileBytes);
+          tma_load_3d(k_smem(s), &key_map, 0, kv_head, first_slot, k_bar);
+          tma_load_3d(k_smem(s) + kHalfBytes, &key_map, 64, kv_head, first_slot, k_bar);
+        } else {
+          mbar_arrive(k_bar);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j)
+          cp_async_16(k_smem(s) + chunk_smem + j * 8 * 128,
+                      key_rows + static_cast<int64_t>(max(slots[j], 0)) * p.cache_stride_slot, slots[j] >= 0);
+        cp_async_arrive(k_bar);
+      }
+      mbar_wait(v_empty(s), ((t / kStages) & 1) ^ 1);
+      if (consecutive) {
+        if (threadIdx.x == 0) {
+          mbar_expect_tx(v_bar, kTileBytes);
+          tma_load_3d(v_smem(s), &value_map, 0, kv_head, first_slot, v_bar);
+          tma_load_3d(v_smem(s) + kHalfBytes, &value_map, 64, kv_head, first_slot, v_bar);
+        } else {
+          mbar_arrive(v_bar);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j)
+          cp_async_16(v_smem(s) + chunk_smem + j * 8 * 128,
+                      value_rows + static_cast<int64_t>(max(slots[j], 0)) * p.cache_stride_slot, slots[j] >= 0);
+        cp_async_arrive(v_bar);
+      }
     }
     return;
   }
