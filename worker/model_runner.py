@@ -260,12 +260,12 @@ class ModelRunner:
                     eager_prefill=self._takes_hopper_prefill if hopper_prefill.serves(
                         self.dtype, self.kv_layout, self.device) else None)
 
-    @torch.inference_mode()
     def _takes_hopper_prefill(self, step: StepInputs) -> bool:
         """Whether a step's attention goes to the Hopper prefill kernel (so it runs eagerly)."""
         return hopper_prefill.takes_step(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens,
                                          self.kv_layout.block_size)[0]
 
+    @torch.inference_mode()
     def _warm_up_logits(self) -> None:
         """Run the LM head once for every row count an eager step can sample (1 to max_num_seqs, or
         that many verified tokens with speculative decoding).

@@ -1053,8 +1053,8 @@ def paged_attention(
     num_splits: the most programs that may share a sequence's cached context (None: PREFILL_SPLITS
     where metadata.step_splits_contexts says so, else 1); more than 1 needs split_decodes False.
 
-    Big steps on Hopper GPUs go to the CUDA kernel of hopper_prefill.py instead (unless `config`
-    names a Triton shape)."""
+    Long-context prefill steps on Hopper GPUs go to the CUDA kernel of hopper_prefill.py instead
+    (hopper_prefill.supports; not when `config` names a Triton shape)."""
     if metadata.max_query_len == 1:
         return decode_attention(query, kv_cache, metadata, scale, out=out)
     if metadata.split_decodes:
