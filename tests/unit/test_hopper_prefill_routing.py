@@ -56,3 +56,25 @@ def test_takes_big_steps_with_a_long_sequence_in_consecutive_enough_blocks() -> 
     assert hp.takes_step(hp.MIN_TOKENS, LONG, table[:, ::-1].copy(), np.array([LONG]), 16) == (False, 0.0)
     # A step it could never take computes nothing.
     assert hp.takes_step(hp.MIN_TOKENS - 1, LONG, table, np.array([LONG]), 16) == (False, None)
+
+
+def test_a_call_with_the_wrong_metadata_types_is_refused_before_the_kernel() -> None:
+    """The kernel reads int32 tables through raw pointers: anything else is refused with its name
+    (checked before the library is touched, so on the CPU too)."""
+    import pytest
+    import torch
+
+    from minivllm.worker.attention.kv_cache import KVCacheLayout
+    from minivllm.worker.attention.metadata import AttentionMetadata
+
+    layout = KVCacheLayout(16, 2, 128, torch.bfloat16)
+    cache = layout.allocate(4, torch.device("cpu"))
+    query = torch.zeros(20, 4, 128, dtype=torch.bfloat16)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 20], dtype=torch.int32), seq_lens=torch.tensor([20], dtype=torch.int32),
+        block_tables=torch.zeros(1, 4, dtype=torch.int64), slot_mapping=torch.arange(20),
+        max_query_len=20, max_seq_len=20)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        hp.prefill_attention(query, cache, layout, metadata, 1.0, torch.empty_like(query))
+    with pytest.raises(ValueError, match="out must be"):
+        hp.prefill_attention(query, cache, layout, metadata, 1.0, torch.empty(20, 4, 128))

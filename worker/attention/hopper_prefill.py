@@ -156,9 +156,9 @@ def takes_step(num_tokens: int, max_seq_len: int, block_table: np.ndarray, seq_l
 def supports(query: torch.Tensor, layout: KVCacheLayout, metadata: AttentionMetadata) -> bool:
     """Whether this prefill step goes to the kernel. Never inside a CUDA graph capture: the steps
     it takes run eagerly (cuda_graphs.StepGraphs' eager_prefill)."""
-    return (takes(query.shape[0], metadata.max_seq_len, metadata.consecutive_share) and _serves(query.dtype, layout, query.device)
-            and query.stride(2) == 1 and not torch.cuda.is_current_stream_capturing()
-            and library() is not None)
+    return (takes(query.shape[0], metadata.max_seq_len, metadata.consecutive_share)
+            and _serves(query.dtype, layout, query.device) and query.stride(2) == 1
+            and not torch.cuda.is_current_stream_capturing() and library() is not None)
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
@@ -169,9 +169,16 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCac
     key, value = views.key, views.value  # [num_blocks, block_size, num_kv_heads, head_dim]
     if key.stride() != value.stride() or key.stride(3) != 1 or key.stride(0) != key.stride(1) * layout.block_size:
         raise ValueError(f"the cache's key and value views must be [slot, head, dim] rows, got strides {key.stride()}")
+    tables = metadata.block_tables
+    if out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {query.dtype} with unit stride along head_dim, got {out.dtype} {out.stride()}")
+    for name, array in (("block_tables", tables), ("seq_lens", metadata.seq_lens),
+                        ("query_start_loc", metadata.query_start_loc)):
+        if array.dtype != torch.int32 or array.stride(-1) != 1:
+            raise ValueError(f"metadata.{name} must be int32 with unit stride along its last dim, "
+                             f"got {array.dtype} {array.stride()}")
     num_tokens, num_heads, _ = query.shape
     error = ctypes.create_string_buffer(_ERROR_BYTES)
-    tables = metadata.block_tables
     status = library().minivllm_hopper_prefill(
         out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0), query.stride(1),
         num_tokens, num_heads, key.data_ptr(), value.data_ptr(), key.shape[0] * layout.block_size, key.stride(1),
