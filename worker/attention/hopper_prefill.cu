@@ -34,7 +34,7 @@ namespace {
 constexpr int kHeadDim = 128;
 constexpr int kBlockM = 128;  // query rows per program: two consumer warpgroups of 64
 constexpr int kBlockN = 128;  // keys per tile
-constexpr int kStages = 2;  // (3 measured no faster: the copies are not what the consumers wait on)
+constexpr int kStages = 2;  // (3 fit in shared memory; measured no faster, up to 6% slower)
 constexpr int kThreads = 384;
 constexpr int kHalfBytes = 128 * 128;      // a 64-dim half of a 128-row tile: 128 rows of 128 bytes
 constexpr int kTileBytes = 2 * kHalfBytes;  // a whole 128 x 128 bf16 tile
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_load_3d(q_smem, &query_map, 0, head, token, q_full);
       tma_load_3d(q_smem + kHalfBytes, &query_map, 64, head, token, q_full);
     }
-    // A tile whose cache blocks are consecutive (the usual case for a long prompt) is copied
+    // A tile whose cache blocks are consecutive (as a fresh engine hands out a long prompt's) is copied
     // with TMA, two 128-row boxes per tensor; any other with cp.async, gathered row by row: TMA
     // boxes of one block (2 KB per 64-dim half) ran at half the speed of 128-row ones.
     // For cp.async, thread i copies 16-byte chunk i % 16 of rows i / 16 + 8 j (j < 16), so that 16
