@@ -11,7 +11,9 @@ chunks, each over the cached prefix of the ones before. Prefill steps carry empt
 --graph-seqs, as a mixed CUDA graph's bucket does (a step of a few sequences up to FEW_SEQS + 1,
 as its few-sequence graph does): the kernel is then compiled as the engine runs it. --baseline
 times another version of triton_attention.py (a saved copy) on the same batches with its own
-default shapes.
+default shapes. Where the Hopper CUDA kernel (hopper_prefill.py) takes a prefill step, the default
+is that kernel and Triton's default is timed after it; --contiguous-blocks lays each sequence's
+cache blocks out consecutively, as a fresh engine hands them out (default: scattered at random).
 """
 
 from __future__ import annotations
