@@ -98,7 +98,7 @@ class StepGraphs:
                  sample: Sample | None = None, eager_prefill: Callable[[StepInputs], bool] | None = None) -> None:
         """eager_prefill(step): whether a step with prompt tokens runs eagerly although a graph
         would hold it (one whose attention has a faster kernel that graphs do not capture:
-        hopper_prefill.takes_step)."""
+        StepBuffers.takes_hopper_prefill)."""
         self.buffers = buffers
         self.eager_prefill = eager_prefill
         self.max_num_seqs = max_num_seqs

@@ -109,8 +109,6 @@ class ModelRunner:
             from minivllm.worker.attention import cpu_decode
 
             cpu_decode.prepare(self.kv_layout)
-        elif self.device.type == "cuda":  # likewise the Hopper prefill kernel (nvcc, ~2 s)
-            hopper_prefill.serves(self.dtype, self.kv_layout, self.device)
 
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.seed_rng = np.random.default_rng(config.seed)  # row seeds of the fused CUDA sampler
@@ -124,6 +122,8 @@ class ModelRunner:
             self.buffers = StepBuffers(max_step_tokens(config), config.max_num_seqs, self.input_batch.max_blocks_per_req,
                                        self.device)
             self.buffers.kv_layout = self.kv_layout
+            # (Builds the Hopper prefill kernel now, nvcc ~2 s, where it serves: not in the first step.)
+            self.buffers.hopper_prefill = hopper_prefill.serves(self.dtype, self.kv_layout, self.device)
         self.graphs: StepGraphs | None = None
         overlap = os.environ.get(OVERLAP_ENV)
         self.overlap_outputs = self.device.type == "cuda" if overlap is None else overlap == "1"
@@ -257,13 +257,7 @@ class ModelRunner:
                     self._forward, self.buffers, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                     self.config.max_model_len, verify_query_len=spec.num_speculative_tokens + 1 if spec else 0,
                     max_verify_seqs=spec.max_speculating_batch if spec else 0, sample=sample,
-                    eager_prefill=self._takes_hopper_prefill if hopper_prefill.serves(
-                        self.dtype, self.kv_layout, self.device) else None)
-
-    def _takes_hopper_prefill(self, step: StepInputs) -> bool:
-        """Whether a step's attention goes to the Hopper prefill kernel (so it runs eagerly)."""
-        return hopper_prefill.takes_step(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens,
-                                         self.kv_layout.block_size)[0]
+                    eager_prefill=self.buffers.takes_hopper_prefill if self.buffers.hopper_prefill else None)
 
     @torch.inference_mode()
     def _warm_up_logits(self) -> None:

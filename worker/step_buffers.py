@@ -90,6 +90,10 @@ class StepBuffers:
         self.packed = torch.zeros(largest, dtype=torch.uint8, device=device)
         self.block_tables = torch.zeros(self.max_seqs, max_blocks_per_req, dtype=torch.int32, device=device)
         self.kv_layout: KVCacheLayout | None = None  # set by the model runner; told to the backends
+        # Set by the model runner where the Hopper prefill kernel serves the model
+        # (hopper_prefill.serves): then a long prefill step's block layout is looked at.
+        self.hopper_prefill = False
+        self._share_of: tuple[StepInputs | None, float | None] = (None, None)
         # A sampling graph's rows (row i of a decode step is its sequence i) and its output.
         self.sample_rows = torch.arange(self.max_seqs, device=device)
         self.sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=device)
@@ -200,10 +204,25 @@ class StepBuffers:
         # (A graph's bucket says for itself; an eager step as a graph of its size would.)
         metadata = self.metadata(tokens, seqs, step.max_query_len, step.max_seq_len,
                                  step_splits_decodes(num_seqs, num_tokens, step.max_query_len))
-        if self.kv_layout is not None:  # (only a long prefill step computes it)
-            metadata.consecutive_share = hopper_prefill.takes_step(
-                num_tokens, step.max_seq_len, step.block_table, step.seq_lens, self.kv_layout.block_size)[1]
+        metadata.consecutive_share = self.consecutive_share(step)
         return metadata
+
+    def consecutive_share(self, step: StepInputs) -> float | None:
+        """The step's hopper_prefill.consecutive_share where that kernel serves the model and the
+        step is one it could take (None otherwise), computed once per step: the graphs' bucket
+        and an eager step's metadata both ask."""
+        if not self.hopper_prefill:
+            return None
+        if self._share_of[0] is not step:
+            share = hopper_prefill.takes_step(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens,
+                                              self.kv_layout.block_size)[1]
+            self._share_of = (step, share)
+        return self._share_of[1]
+
+    def takes_hopper_prefill(self, step: StepInputs) -> bool:
+        """Whether the step's attention goes to the Hopper prefill kernel (StepGraphs' eager_prefill)."""
+        share = self.consecutive_share(step)
+        return share is not None and hopper_prefill.takes(step.num_tokens, step.max_seq_len, share)
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
                  split_decodes: bool = True) -> AttentionMetadata:

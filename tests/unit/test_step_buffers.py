@@ -93,3 +93,37 @@ def test_loads_of_different_layouts_in_turn_each_read_what_they_wrote() -> None:
         assert buffers.views(2, 2).positions.tolist() == [3 + i, 4]
         buffers.load(step_of([2, 1, 1], [i, 1, 2]))
         assert buffers.forward_inputs[1].tolist() == [i, i + 1, 1, 2]
+
+
+def test_long_prefill_steps_share_of_consecutive_blocks_is_computed_once(monkeypatch) -> None:
+    """Where the Hopper prefill kernel serves, a long prefill step's consecutive-block share is
+    computed once (the graphs' bucket asks, then the eager step's metadata), and the step is taken
+    by that kernel as hopper_prefill.takes_step says; elsewhere nothing is computed."""
+    from minivllm.worker.attention import hopper_prefill
+    from minivllm.worker.attention.kv_cache import KVCacheLayout
+
+    step = step_of([2048], [8000])
+    columns = 700
+    step.block_table = np.arange(columns, dtype=np.int32).reshape(1, columns)  # consecutive blocks
+    buffers = StepBuffers(4096, 2, columns, torch.device("cpu"))
+    buffers.kv_layout = KVCacheLayout(16, 2, 128, torch.bfloat16)
+    calls = []
+    real = hopper_prefill.takes_step
+    monkeypatch.setattr(hopper_prefill, "takes_step", lambda *a: calls.append(1) or real(*a))
+
+    assert not buffers.takes_hopper_prefill(step)  # the kernel does not serve: nothing looked at
+    assert buffers.load(step).consecutive_share is None and not calls
+
+    buffers.hopper_prefill = True
+    assert buffers.takes_hopper_prefill(step)
+    assert buffers.load(step).consecutive_share == 1.0
+    assert len(calls) == 1
+    assert real(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens, 16) == (True, 1.0)
+
+    scattered = step_of([2048], [8000])
+    scattered.block_table = step.block_table[:, ::-1].copy()  # descending: no tile consecutive
+    assert not buffers.takes_hopper_prefill(scattered)
+    assert buffers.load(scattered).consecutive_share == 0.0
+    short = step_of([100], [100])
+    assert not buffers.takes_hopper_prefill(short) and buffers.load(short).consecutive_share is None
+    assert len(calls) == 3
