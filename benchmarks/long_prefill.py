@@ -1,7 +1,7 @@
 """Time to first token for one long prompt, against an HF forward with SDPA on the same shape (GPU).
 
     python benchmarks/long_prefill.py --model benchmarks/configs/qwen3-0.6b --input-lens 16384,32000 \
-        --budgets 8192,32768 [--json FILE]
+        --budgets 8192,32768 [--recycled-blocks] [--json FILE]
 
 For each budget (max_num_batched_tokens) one engine serves the prompt of each length (dummy bf16
 weights, greedy, one output token, prefix cache reset before each run; median of --iters). The HF
@@ -9,7 +9,8 @@ row is one forward of the same tokens through transformers with attn_implementat
 keeping only the last position's logits. Each row also gives the whole prefill's FLOP rate:
 2 FLOPs per weight per token through the projections (the LM head for one token), plus causal
 attention, 4 * heads * head_dim FLOPs per layer per visible (query, key) pair; and its share of
-the bf16 matmul rate measured on this GPU.
+the bf16 matmul rate measured on this GPU. --recycled-blocks runs each prompt in blocks that earlier
+ones freed, as a pool that has served a while hands them out, instead of a fresh pool's ascending ids.
 """
 
 from __future__ import annotations
@@ -26,21 +27,33 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+BLOCK_SIZE = 16
+
+
 def prefill_flops(shape, vocab_hidden: int, num_tokens: int) -> float:
     projections = 2.0 * (shape.matmul_params - vocab_hidden) * num_tokens + 2.0 * vocab_hidden
     attention = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * num_tokens * (num_tokens + 1) / 2
     return projections + attention
 
 
-def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int,
-                  kv_cache_dtype: str = "auto") -> dict[int, list[float]]:
+def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int, kv_cache_dtype: str = "auto",
+                  recycled_blocks: bool = False) -> dict[int, list[float]]:
     from minivllm import LLM, SamplingParams
 
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     times: dict[int, list[float]] = {}
-    with LLM(model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-             max_model_len=max(input_lens) + 16, max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype) as llm:
+    max_model_len = max(input_lens) + 16
+    # A pool a little over the longest prompt's blocks, filled once before timing: every timed
+    # prompt then runs in blocks an earlier one freed, handed back last first (runs of descending
+    # ids, then ascending again after the next round), as a pool that has served a while hands them.
+    num_gpu_blocks = -(-max_model_len // BLOCK_SIZE) + 64 if recycled_blocks else None
+    with LLM(model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, block_size=BLOCK_SIZE,
+             max_model_len=max_model_len, max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype,
+             num_gpu_blocks=num_gpu_blocks) as llm:
+        if recycled_blocks:
+            filler = {"prompt_token_ids": torch.randint(0, 32000, (max(input_lens),), generator=gen).tolist()}
+            llm.generate(filler, first, use_tqdm=False)
         for n in input_lens:
             prompt = {"prompt_token_ids": torch.randint(0, 32000, (n,), generator=gen).tolist()}
             llm.generate(prompt, first, use_tqdm=False)  # warm-up: compiles this shape's kernels
@@ -87,6 +100,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--recycled-blocks", action="store_true",
+                        help="a pool just over the longest prompt, filled once before timing: the timed prompts get "
+                             "blocks earlier ones freed (descending and ascending runs) instead of a fresh pool's")
     parser.add_argument("--json")
     args = parser.parse_args()
     input_lens = [int(x) for x in args.input_lens.split(",")]
@@ -96,20 +112,22 @@ def main() -> None:
     peak = measure_ceilings("cuda", "bfloat16").matmul_flops_per_s
 
     rows = []
-    cache = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype}"
-    runs = {f"minivllm, budget {b}{cache}": time_minivllm(args.model, input_lens, int(b), args.iters, args.kv_cache_dtype)
+    cache = ("" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype}") + (
+        ", recycled" if args.recycled_blocks else "")
+    runs = {f"minivllm, budget {b}{cache}": time_minivllm(args.model, input_lens, int(b), args.iters, args.kv_cache_dtype,
+                                                                args.recycled_blocks)
             for b in args.budgets.split(",")}
     if not args.no_hf:
         runs["HF forward, SDPA"] = time_hf(args.model, input_lens, args.iters)
     print(f"{torch.cuda.get_device_name()}: bf16 matmul rate measured {peak / 1e12:.0f} TFLOP/s")
-    print(f"{'run':<26} {'input':>7} {'TTFT ms':>9} {'TFLOP/s':>8} {'% peak':>7}")
+    print(f"{'run':<34} {'input':>7} {'TTFT ms':>9} {'TFLOP/s':>8} {'% peak':>7}")
     for name, times in runs.items():
         for n, ts in times.items():
             seconds = statistics.median(ts)
             rate = prefill_flops(shape, vocab_hidden, n) / seconds
             rows.append({"run": name, "input_len": n, "ttft_ms": seconds * 1000, "times_ms": [t * 1000 for t in ts],
                          "tflops": rate / 1e12, "share_of_peak": rate / peak})
-            print(f"{name:<26} {n:>7} {seconds * 1000:>9.1f} {rate / 1e12:>8.0f} {100 * rate / peak:>6.1f}%")
+            print(f"{name:<34} {n:>7} {seconds * 1000:>9.1f} {rate / 1e12:>8.0f} {100 * rate / peak:>6.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "matmul_tflops": peak / 1e12, "rows": rows}, f, indent=2)

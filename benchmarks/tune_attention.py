@@ -12,8 +12,9 @@ chunks, each over the cached prefix of the ones before. Prefill steps carry empt
 as its few-sequence graph does): the kernel is then compiled as the engine runs it. --baseline
 times another version of triton_attention.py (a saved copy) on the same batches with its own
 default shapes. Where the Hopper CUDA kernel (hopper_prefill.py) takes a prefill step, the default
-is that kernel and Triton's default is timed after it; --contiguous-blocks lays each sequence's
-cache blocks out consecutively, as a fresh engine hands them out (default: scattered at random).
+is that kernel and Triton's default is timed after it; --block-order lays each sequence's cache
+blocks out scattered at random (the default), ascending (as a fresh engine hands them out),
+descending (as a recycled pool does) or shuffled within each 128-key tile.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from minivllm.worker.attention.triton_attention import (
     paged_attention,
     store_kv,
 )
-from tests.gpu.test_triton_attention import make_batch
+from tests.gpu.test_triton_attention import BLOCK_ORDERS, make_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
 
@@ -84,7 +85,7 @@ def causal_pairs(context: int, query: int) -> int:
     return query * context + query * (query + 1) // 2
 
 
-def build_step(cases, fp8: bool, graph_seqs: int = 0, contiguous: bool = False):
+def build_step(cases, fp8: bool, graph_seqs: int = 0, block_order: str = "scattered"):
     """A step of `cases`, padded with empty sequences as the engine's graph for it would be (a mixed
     graph's graph_seqs, or a few-sequence graph's FEW_SEQS + 1, without the decode kernel; graph_seqs
     0: no padding, as an eager step)."""
@@ -93,7 +94,7 @@ def build_step(cases, fp8: bool, graph_seqs: int = 0, contiguous: bool = False):
     pad_to = 0 if not graph_seqs or max_query_len == 1 else FEW_SEQS + 1 if few else graph_seqs
     cases = cases + [(0, 0)] * max(0, pad_to - num_real)
     q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0,
-                                          contiguous=contiguous)
+                                          block_order=block_order)
     if len(cases) > num_real:  # the sequences before the padding, as a graph's buffers say
         md = dataclasses.replace(md, num_active_seqs=torch.tensor([num_real], dtype=torch.int32, device="cuda"))
     md = dataclasses.replace(md, split_decodes=not few)
@@ -126,9 +127,10 @@ def main() -> None:
                              "(max_num_seqs + 1); 0: no padding")
     parser.add_argument("--splits", type=int, help="prefill: the most programs sharing a context (default: the "
                                                     "engine's rule, metadata.step_splits_contexts)")
-    parser.add_argument("--contiguous-blocks", action="store_true",
-                        help="each sequence's cache blocks consecutive, as a fresh engine hands them out (default: "
-                             "scattered at random, as after a while of serving)")
+    parser.add_argument("--block-order", default="scattered", choices=BLOCK_ORDERS,
+                        help="how each sequence's cache blocks lie: scattered at random (as after a while of serving), "
+                             "consecutive ids ascending (a fresh engine) or descending (a recycled pool), or shuffled "
+                             "within each 128-key tile")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time each shape replayed in a CUDA graph, as the engine runs it (for short steps, "
                              "whose kernels take a few microseconds: no launch overhead in the figure)")
@@ -141,7 +143,7 @@ def main() -> None:
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for name in args.cases.split(","):
-        steps = [build_step(cases, args.fp8, args.graph_seqs, args.contiguous_blocks) for cases in CASES[name]]
+        steps = [build_step(cases, args.fp8, args.graph_seqs, args.block_order) for cases in CASES[name]]
         decode = steps[0][2].max_query_len == 1
         layout = steps[0][2].layout(steps[0][1])
         if decode:

@@ -13,7 +13,7 @@ from minivllm.worker.attention.reference import paged_attention as reference_att
 pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
 from minivllm.worker.attention.triton_attention import paged_attention, store_kv
 
-from tests.gpu.test_triton_attention import make_batch, with_graph_padding
+from tests.gpu.test_triton_attention import BLOCK_ORDERS, make_batch, with_graph_padding
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU")
@@ -24,9 +24,9 @@ CASES = [(0, 2048), (0, 300), (0, 129), (0, 128), (0, 1), (500, 700), (4096, 100
          (127, 130), (1000, 1), (64, 2)]
 
 
-def _batch(heads_per_kv: int, block_size: int, seed: int, cases=CASES, contiguous=False):
+def _batch(heads_per_kv: int, block_size: int, seed: int, cases=CASES, block_order="scattered"):
     q, k, v, cache, metadata = make_batch(cases, 2 * heads_per_kv, 2, 128, block_size, torch.bfloat16, seed,
-                                          contiguous=contiguous)
+                                          block_order=block_order)
     store_kv(k, v, cache, metadata.slot_mapping)
     return q, k, v, cache, metadata
 
@@ -52,15 +52,17 @@ def _built():
         pytest.fail("the Hopper prefill kernel did not build (see the log)")
 
 
-@pytest.mark.parametrize("contiguous", [False, True], ids=["scattered", "contiguous"])
+@pytest.mark.parametrize("block_order", BLOCK_ORDERS)
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-def test_kernel_equals_reference(heads_per_kv: int, block_size: int, contiguous: bool) -> None:
+def test_kernel_equals_reference(heads_per_kv: int, block_size: int, block_order: str) -> None:
     """Every prefill row equals the reference; the decode rows (the decode kernel's) stay untouched.
-    Scattered blocks are gathered with cp.async; tiles of consecutive blocks are copied with TMA
-    (in a contiguous batch, every tile but a sequence's last, which runs past its end)."""
+    Scattered blocks are gathered with cp.async. A tile whose blocks are a run of consecutive ids is
+    copied with TMA: in order anywhere (in an ascending batch, every tile but a sequence's last,
+    which runs past its end), out of order (descending, shuffled) where every query row sees the
+    whole tile; the causal diagonal's tiles out of order are gathered."""
     q, _, _, cache, metadata = _batch(heads_per_kv, block_size, seed=heads_per_kv * 100 + block_size,
-                                      contiguous=contiguous)
+                                      block_order=block_order)
     expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
     out = torch.full_like(q, float("nan"))
     layout = metadata.layout(cache)
@@ -119,10 +121,13 @@ def _one_sequence_reference(q, cache, metadata, rows, block_size):
 
 
 def test_long_prompt_and_chunk_after_it() -> None:
-    """A 16k-token prompt, then an 8k-token chunk after 24k cached: rows far from the first keys
-    (checked on a sample of rows, the first and last among them)."""
-    for cases, contiguous in (([(0, 16384)], False), ([(0, 16384)], True), ([(24576, 8192)], True)):
-        q, _, _, cache, metadata = _batch(2, 16, seed=cases[0][0] + contiguous, cases=cases, contiguous=contiguous)
+    """A 16k-token prompt, then an 8k-token chunk after 24k cached, in each way blocks lie: rows far
+    from the first keys (checked on a sample of rows, the first and last among them)."""
+    for cases, block_order in (([(0, 16384)], "scattered"), ([(0, 16384)], "ascending"),
+                               ([(0, 16384)], "descending"), ([(24576, 8192)], "ascending"),
+                               ([(24576, 8192)], "shuffled")):
+        q, _, _, cache, metadata = _batch(2, 16, seed=cases[0][0] + len(block_order), cases=cases,
+                                          block_order=block_order)
         out = torch.full_like(q, float("nan"))
         hopper_prefill.prefill_attention(q, cache, metadata.layout(cache), metadata, 128**-0.5, out)
         assert not out.isnan().any()

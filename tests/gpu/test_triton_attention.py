@@ -33,20 +33,34 @@ MIXED = [(0, 37), (16, 16), (0, 1), (100, 1), (31, 1), (64, 70), (5, 200), (1000
 DECODES = [(n, 1) for n in (1, 15, 16, 17, 63, 64, 65, 300, 1025)]
 
 
-def make_batch(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, contiguous=False):
-    """contiguous: each sequence's blocks are consecutive in the cache (as a fresh engine hands
-    them out); else they are scattered at random."""
+BLOCK_ORDERS = ("scattered", "ascending", "descending", "shuffled")
+
+
+def make_batch(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, block_order="scattered"):
+    """block_order: how each sequence's cache blocks lie. "scattered": at random (as after a while
+    of serving); "ascending": consecutive ids (as a fresh engine hands them out); "descending": a
+    run of ids last first (as a recycled pool hands out a finished request's blocks); "shuffled":
+    ascending, then shuffled within each 128-key tile's blocks (the Hopper kernel's tiles)."""
+    if block_order not in BLOCK_ORDERS:
+        raise ValueError(f"block_order must be one of {BLOCK_ORDERS}, got {block_order!r}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     seq_lens = [c + q for c, q in cases]
     blocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks) + 5
     perm = torch.randperm(num_blocks, device="cuda", generator=gen)
-    if contiguous:
+    if block_order != "scattered":
         perm = torch.arange(num_blocks, device="cuda")
     tables = torch.zeros(len(cases), max(blocks) + 2, dtype=torch.int32, device="cuda")
     start = 0
     for i, n in enumerate(blocks):
-        tables[i, :n] = perm[start : start + n]
+        run = perm[start : start + n]
+        if block_order == "descending":
+            run = run.flip(0)
+        elif block_order == "shuffled":
+            per_tile = max(1, 128 // block_size)
+            run = torch.cat([group[torch.randperm(group.numel(), device="cuda", generator=gen)]
+                             for group in run.split(per_tile)])
+        tables[i, :n] = run
         start += n
     cache = torch.randn(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=gen,
                         device="cuda").to(dtype)

@@ -26,16 +26,25 @@ def test_consecutive_share_counts_whole_tiles_of_long_sequences() -> None:
     # Short sequences don't count (rows 2 and 3 here); a partial last tile doesn't either (row 0's 100).
     lengths = np.array([LONG + 100, LONG, LONG - 1, 50])
     share = hp.consecutive_share(table, lengths, block_size)
-    scattered_hits = int((np.diff(scattered.reshape(tiles, 8), axis=1) == 1).all(axis=1).sum())
+    scattered_hits = int((np.diff(np.sort(scattered.reshape(tiles, 8), axis=1), axis=1) == 1).all(axis=1).sum())
     assert share == (tiles + scattered_hits) / (2 * tiles)
     assert hp.consecutive_share(table, np.array([LONG - 1] * 4), block_size) == 0.0  # no long sequence
 
 
-def test_descending_blocks_are_not_consecutive() -> None:
-    """A freed request's blocks come back last first: such a run is not one TMA box."""
+def test_runs_of_consecutive_ids_count_in_any_order() -> None:
+    """A freed request's blocks come back last first: a tile of descending ids is one 128-row box
+    too (the kernel copies it so wherever the causal mask leaves the tile whole), and so is a
+    shuffled run. A run with a gap or a repeated id is not."""
     tiles = LONG // 128
-    table = np.arange(tiles * 8)[::-1].reshape(1, -1).copy()
-    assert hp.consecutive_share(table, np.array([LONG]), 16) == 0.0
+    descending = np.arange(tiles * 8)[::-1].reshape(1, -1).copy()
+    assert hp.consecutive_share(descending, np.array([LONG]), 16) == 1.0
+    rng = np.random.default_rng(2)
+    shuffled = np.concatenate([8 * t + rng.permutation(8) for t in range(tiles)]).reshape(1, -1)
+    assert hp.consecutive_share(shuffled, np.array([LONG]), 16) == 1.0
+    gaps = shuffled.copy()
+    gaps[0, 0:8] = [0, 1, 2, 3, 4, 5, 6, 8]  # 7 missing
+    gaps[0, 8:16] = [9, 9, 10, 11, 12, 13, 14, 15]  # 9 twice
+    assert hp.consecutive_share(gaps, np.array([LONG]), 16) == (tiles - 2) / tiles
 
 
 def test_block_size_of_a_whole_tile_is_always_consecutive() -> None:
@@ -53,7 +62,10 @@ def test_takes_big_steps_with_a_long_sequence_in_consecutive_enough_blocks() -> 
     tiles = LONG // 128
     table = np.arange(tiles * 8).reshape(1, -1)
     assert hp.takes_step(hp.MIN_TOKENS, LONG, table, np.array([LONG]), 16) == (True, 1.0)
-    assert hp.takes_step(hp.MIN_TOKENS, LONG, table[:, ::-1].copy(), np.array([LONG]), 16) == (False, 0.0)
+    assert hp.takes_step(hp.MIN_TOKENS, LONG, table[:, ::-1].copy(), np.array([LONG]), 16) == (True, 1.0)
+    scattered = np.random.default_rng(3).permutation(tiles * 8).reshape(1, -1)
+    taken, share = hp.takes_step(hp.MIN_TOKENS, LONG, scattered, np.array([LONG]), 16)
+    assert not taken and share < hp.MIN_CONSECUTIVE_SHARE
     # A step it could never take computes nothing.
     assert hp.takes_step(hp.MIN_TOKENS - 1, LONG, table, np.array([LONG]), 16) == (False, None)
 

@@ -121,7 +121,7 @@ def test_long_prefill_steps_share_of_consecutive_blocks_is_computed_once(monkeyp
     assert real(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens, 16) == (True, 1.0)
 
     scattered = step_of([2048], [8000])
-    scattered.block_table = step.block_table[:, ::-1].copy()  # descending: no tile consecutive
+    scattered.block_table = np.random.default_rng(0).permutation(columns).astype(np.int32).reshape(1, columns)
     assert not buffers.takes_hopper_prefill(scattered)
     assert buffers.load(scattered).consecutive_share == 0.0
     short = step_of([100], [100])

@@ -3,8 +3,9 @@
 // One program per (128 query rows of one sequence, one query head), 3 warpgroups:
 //   - a producer warpgroup that fills a 2-stage ring of shared-memory buffers with 128-key tiles
 //     of keys and values from the paged cache, each buffer completing on an mbarrier. A tile whose
-//     cache blocks are consecutive goes by TMA (two 128-row boxes per tensor, one thread issues
-//     them); any other is gathered with cp.async by all 128 threads. The queries come by TMA once.
+//     cache blocks are a run of consecutive ids goes by TMA (two 128-row boxes per tensor, one
+//     thread issues them); any other is gathered with cp.async by all 128 threads. The queries
+//     come by TMA once.
 //   - two consumer warpgroups, 64 query rows each, that compute S = Q K^T with wgmma (both operands
 //     in shared memory), the online softmax in registers, and O += P V with wgmma (P straight from
 //     registers: the accumulator layout of S is the register layout of wgmma's A operand). Tile
@@ -135,20 +136,6 @@ template <int N>
 __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-
-// Whether pred holds in every producer thread (named barrier 3, the producer warpgroup's).
-__device__ __forceinline__ bool producers_all(bool pred) {
-  int all;
-  asm volatile(
-      "{\n.reg .pred p, q;\n"
-      "setp.ne.b32 p, %1, 0;\n"
-      "barrier.red.and.pred q, 3, 128, p;\n"
-      "selp.b32 %0, 1, 0, q;\n}\n"
-      : "=r"(all)
-      : "r"(static_cast<int>(pred))
-      : "memory");
-  return all != 0;
 }
 
 // Named barriers 1 and 2 (0 is __syncthreads'), each between the two consumer warpgroups (256 threads).
@@ -293,9 +280,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_load_3d(q_smem, &query_map, 0, head, token, q_full);
       tma_load_3d(q_smem + kHalfBytes, &query_map, 64, head, token, q_full);
     }
-    // A tile whose cache blocks are consecutive (as a fresh engine hands out a long prompt's) is copied
-    // with TMA, two 128-row boxes per tensor; any other with cp.async, gathered row by row: TMA
-    // boxes of one block (2 KB per 64-dim half) ran at half the speed of 128-row ones.
+    // A tile whose cache blocks are the ids lowest .. lowest + n - 1 holds 128 consecutive cache rows,
+    // copied with TMA (two 128-row boxes per tensor): in order, or in any order where every query row
+    // sees the whole tile, since the softmax and P V do not care in which order keys come, only the
+    // causal mask does. A fresh engine hands out a long prompt's blocks in order; a recycled pool in
+    // runs of descending ids (a finished request's blocks are freed last first). Any other tile is
+    // gathered with cp.async, row by row: TMA boxes of one block (2 KB per 64-dim half) ran at half
+    // the speed of 128-row ones. Every producer thread reads the tile's few block ids itself (the
+    // same words, from L1), so all take the same path without voting.
     // For cp.async, thread i copies 16-byte chunk i % 16 of rows i / 16 + 8 j (j < 16), so that 16
     // threads read a row's 256 contiguous bytes; the chunk lands where the 128-byte swizzle puts
     // it (chunk index XOR the row's place among 8, here i / 16 for every row of the thread).
@@ -306,54 +298,69 @@ __global__ void __launch_bounds__(kThreads, 1)
     const __nv_bfloat16* value_rows = p.value_cache + kv_head * p.cache_stride_head + chunk * 8;
     const int block_shift = p.block_size_log2;
     const int slot_mask = (1 << block_shift) - 1;
-    for (int t = 0; t < num_key_tiles; ++t) {
-      const int s = t % kStages;
-      int slots[kBlockN / 8];  // this thread's rows' cache slots (-1: past the sequence, read as zeros)
+    const int blocks_per_tile = kBlockN >> block_shift;  // 1 to 16
+    // The tile's first cache block where TMA copies it, else -1.
+    auto tile_source = [&](int t) {
+      if ((t + 1) * kBlockN > seq_len) return -1;  // a tile running off the sequence is gathered (zeros past it)
+      const int* tile_blocks = block_table + t * blocks_per_tile;
+      const int first = tile_blocks[0];
+      int low = first, high = first;
+      bool in_order = true;
+#pragma unroll
+      for (int i = 1; i < 16; ++i) {
+        if (i < blocks_per_tile) {
+          const int block = tile_blocks[i];
+          in_order &= block == first + i;
+          low = min(low, block);
+          high = max(high, block);
+        }
+      }
+      if (in_order) return first;
+      if (t >= num_unmasked || high - low != blocks_per_tile - 1) return -1;
+      uint32_t seen = 0;  // each id of the run exactly once (a table never repeats a block, but a
+                          // wrong box would be silent)
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        if (i < blocks_per_tile) seen |= 1u << (tile_blocks[i] - low);
+      return seen == (1u << blocks_per_tile) - 1 ? low : -1;
+    };
+    auto copy_tile = [&](int t, int lowest, uint32_t bar, uint32_t smem, const CUtensorMap* map,
+                         const __nv_bfloat16* rows) {
+      if (lowest >= 0) {
+        if (threadIdx.x == 0) {
+          mbar_expect_tx(bar, kTileBytes);
+          tma_load_3d(smem, map, 0, kv_head, lowest << block_shift, bar);
+          tma_load_3d(smem + kHalfBytes, map, 64, kv_head, lowest << block_shift, bar);
+        } else {
+          mbar_arrive(bar);
+        }
+        return;
+      }
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
-        const int position = t * kBlockN + 8 * j + row_in_step;
-        slots[j] = position < seq_len ? (block_table[position >> block_shift] << block_shift) | (position & slot_mask) : -1;
+        const int position = t * kBlockN + 8 * j + row_in_step;  // rows past the sequence read as zeros
+        const int slot = position < seq_len ? (block_table[position >> block_shift] << block_shift) | (position & slot_mask) : 0;
+        cp_async_16(smem + chunk_smem + j * 8 * 128, rows + static_cast<int64_t>(slot) * p.cache_stride_slot,
+                    position < seq_len);
       }
-      // Consecutive: every row's slot is the tile's first plus the row's place (rows past the
-      // sequence's end too, so a tile that runs off it takes the gather, which zeros them).
-      const int first_slot = t * kBlockN < seq_len ? block_table[(t * kBlockN) >> block_shift] << block_shift : -1;
-      bool consecutive = first_slot >= 0;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) consecutive &= slots[j] == first_slot + 8 * j + row_in_step;
-      consecutive = producers_all(consecutive);
-      const uint32_t k_bar = k_full(s), v_bar = v_full(s);
-      mbar_wait(k_empty(s), ((t / kStages) & 1) ^ 1);  // a fresh barrier counts as released
-      if (consecutive) {
-        if (threadIdx.x == 0) {
-          mbar_expect_tx(k_bar, kTileBytes);
-          tma_load_3d(k_smem(s), &key_map, 0, kv_head, first_slot, k_bar);
-          tma_load_3d(k_smem(s) + kHalfBytes, &key_map, 64, kv_head, first_slot, k_bar);
-        } else {
-          mbar_arrive(k_bar);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j)
-          cp_async_16(k_smem(s) + chunk_smem + j * 8 * 128,
-                      key_rows + static_cast<int64_t>(max(slots[j], 0)) * p.cache_stride_slot, slots[j] >= 0);
-        cp_async_arrive(k_bar);
+      cp_async_arrive(bar);
+    };
+    // Keys run a tile ahead of values: a key buffer is released (after Q K^T) a tile before the
+    // value buffer beside it (after P V), and the next scores need keys first.
+    int source = tile_source(0);
+    mbar_wait(k_empty(0), 1);  // a fresh barrier counts as released
+    copy_tile(0, source, k_full(0), k_smem(0), &key_map, key_rows);
+    for (int t = 0; t < num_key_tiles; ++t) {
+      const int s = t % kStages;
+      const int next_source = t + 1 < num_key_tiles ? tile_source(t + 1) : -1;
+      if (t + 1 < num_key_tiles) {
+        const int n = (t + 1) % kStages;
+        mbar_wait(k_empty(n), (((t + 1) / kStages) & 1) ^ 1);
+        copy_tile(t + 1, next_source, k_full(n), k_smem(n), &key_map, key_rows);
       }
       mbar_wait(v_empty(s), ((t / kStages) & 1) ^ 1);
-      if (consecutive) {
-        if (threadIdx.x == 0) {
-          mbar_expect_tx(v_bar, kTileBytes);
-          tma_load_3d(v_smem(s), &value_map, 0, kv_head, first_slot, v_bar);
-          tma_load_3d(v_smem(s) + kHalfBytes, &value_map, 64, kv_head, first_slot, v_bar);
-        } else {
-          mbar_arrive(v_bar);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j)
-          cp_async_16(v_smem(s) + chunk_smem + j * 8 * 128,
-                      value_rows + static_cast<int64_t>(max(slots[j], 0)) * p.cache_stride_slot, slots[j] >= 0);
-        cp_async_arrive(v_bar);
-      }
+      copy_tile(t, source, v_full(s), v_smem(s), &value_map, value_rows);
+      source = next_source;
     }
     return;
   }
