@@ -171,24 +171,46 @@ def test_refuses_what_it_does_not_serve() -> None:
     assert not hopper_prefill.supports(q, dataclasses.replace(layout, fp8=True), metadata)
 
 
-def test_engine_long_prompt_close_to_triton(tiny_model_factory, monkeypatch) -> None:
-    """A 9,000-token prompt in chunks of 4,096 through the engine in bfloat16: the chunk with a
-    long sequence runs eagerly on the Hopper kernel, the others in graphs on Triton. The first
-    token's log-probabilities are within bfloat16's noise of an engine that keeps Triton throughout."""
+def _long_prompt_first_logprobs(model_dir: str, monkeypatch, hopper: bool, **engine_kwargs) -> dict:
+    """The first token's top-20 log-probabilities after a 9,000-token prompt in chunks of 4,096 (the
+    second chunk, with a sequence of 8,192, is a step the kernel takes), bf16."""
     from minivllm import LLM, SamplingParams
 
-    model_dir = tiny_model_factory("qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                                   max_position_embeddings=12000)
     prompt = {"prompt_token_ids": [(11 * j) % 500 + 1 for j in range(9000)]}
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=20)
-    results = []
-    for enabled in ("1", "0"):
-        monkeypatch.setenv("MINIVLLM_HOPPER_PREFILL", enabled)
-        with LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=10000, max_num_seqs=4,
-                 max_num_batched_tokens=4096) as llm:
-            results.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
-    hopper, triton = (out.logprobs[0] for out in results)
+    monkeypatch.setenv("MINIVLLM_HOPPER_PREFILL", "1" if hopper else "0")
+    with LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=10000, max_num_seqs=4,
+             max_num_batched_tokens=4096, **engine_kwargs) as llm:
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].logprobs[0]
+
+
+def _assert_close(hopper: dict, triton: dict) -> None:
     shared = set(hopper) & set(triton)
     assert len(shared) >= 15
     worst = max(abs(hopper[t].logprob - triton[t].logprob) for t in shared)
     assert worst < 0.1, f"first-token log-probabilities differ by up to {worst:.3f}"
+
+
+def _long_prompt_model(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                              max_position_embeddings=12000)
+
+
+def test_engine_long_prompt_close_to_triton(tiny_model_factory, monkeypatch) -> None:
+    """A 9,000-token prompt in chunks of 4,096 through the engine in bfloat16: the chunk with a
+    long sequence runs eagerly on the Hopper kernel, the others in graphs on Triton. The first
+    token's log-probabilities are within bfloat16's noise of an engine that keeps Triton throughout."""
+    model_dir = _long_prompt_model(tiny_model_factory)
+    _assert_close(_long_prompt_first_logprobs(model_dir, monkeypatch, hopper=True),
+                  _long_prompt_first_logprobs(model_dir, monkeypatch, hopper=False))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensor_parallel_ranks_run_it(tiny_model_factory, monkeypatch) -> None:
+    """Tensor parallel over 2 GPUs: each rank builds and launches the kernel on its own device (the
+    library brings its own CUDA runtime, which must use torch's current device, context and
+    stream), one KV head each. The first token's log-probabilities are within bfloat16's noise of
+    one GPU on Triton."""
+    model_dir = _long_prompt_model(tiny_model_factory)
+    _assert_close(_long_prompt_first_logprobs(model_dir, monkeypatch, hopper=True, tensor_parallel_size=2),
+                  _long_prompt_first_logprobs(model_dir, monkeypatch, hopper=False))
