@@ -9,10 +9,11 @@ leaves the tile whole: a recycled pool hands out descending runs); scattered blo
 with cp.async (TMA boxes of one 16-slot block ran at half the speed).
 
 It takes prefill steps of at least MIN_TOKENS tokens with a sequence of at least MIN_SEQ_LEN
-(takes()): long prompts and the chunks after them. There it is 10-15% faster than Triton when the
-blocks are consecutive (a long prompt in a fresh engine) and about even when they are scattered
-(H100, one layer). Many short prompts stay on Triton, whose smaller tiles win there. Those steps
-run eagerly (cuda_graphs.StepGraphs' eager_prefill): the graphs capture Triton.
+(takes()): long prompts and the chunks after them. There it runs 1.1-1.3x as fast as Triton (H100, one
+layer at 16k-32k) when each tile's blocks are a run of consecutive ids: ascending, as a fresh
+engine hands them out, or descending, as a pool that has served a while does; with blocks scattered
+at random it is no faster. Many short prompts stay on Triton, whose smaller tiles win there. Those
+steps run eagerly (cuda_graphs.StepGraphs' eager_prefill): the graphs capture Triton.
 
 It serves bfloat16 queries and caches with head_dim 128 on compute capability 9.0, with blocks of
 8 to 128 slots (a power of 2). Everything else, FP8 caches included, stays on Triton.
@@ -50,8 +51,8 @@ TILE_ROWS = 128  # query rows and keys per tile (kBlockM, kBlockN in the source)
 # Steps with fewer tokens, or no sequence this long, stay on the Triton kernel (takes()).
 MIN_TOKENS = 2048
 MIN_SEQ_LEN = 8192
-# Scattered blocks are gathered at about Triton's speed, consecutive ones copied 10-15% faster: a
-# step takes the kernel once a quarter of its long sequences' tiles are consecutive.
+# Scattered blocks are gathered at about Triton's speed or slower, runs of consecutive ids copied
+# 1.1-1.3x as fast: a step takes the kernel once a quarter of its long sequences' tiles are such runs.
 MIN_CONSECUTIVE_SHARE = 0.25
 _ERROR_BYTES = 512
 
@@ -72,6 +73,28 @@ def _build_name(nvcc: str) -> str:
     return f"minivllm_hopper_prefill_{hashlib.sha1(version.encode() + source).hexdigest()[:16]}"
 
 
+def compile_library(nvcc: str, source: str, target: str, *extra_flags: str) -> str:
+    """nvcc source into the shared library target (sm_90a); returns ptxas' report (registers,
+    spills). Raises RuntimeError with nvcc's message if it fails."""
+    result = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
+                             "-Xcompiler", "-fPIC", "-Xptxas", "-v", *extra_flags, "-o", target, source],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"nvcc failed: {result.stderr.strip()[-2000:]}")
+    return result.stderr
+
+
+def load_library(path: str) -> ctypes.CDLL:
+    """A built library, its entry point typed."""
+    lib = ctypes.CDLL(path)
+    fn = lib.minivllm_hopper_prefill
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i64, i64, i32, i32,
+                   ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ctypes.c_char_p, i32]
+    fn.restype = i32
+    return lib
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (said once, in the log). Built in a
@@ -88,20 +111,10 @@ def library() -> ctypes.CDLL | None:
             started = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=kernels) as build_dir:
                 target = os.path.join(build_dir, f"{name}.so")
-                result = subprocess.run(
-                    [nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
-                     "-Xcompiler", "-fPIC", "-o", target, SOURCE], capture_output=True, text=True, check=False)
-                if result.returncode != 0:
-                    raise RuntimeError(f"nvcc failed: {result.stderr.strip()[-2000:]}")
+                compile_library(nvcc, SOURCE, target)
                 os.replace(target, built)
             logger.info("built the Hopper prefill attention kernel in %.1f s: %s", time.perf_counter() - started, built)
-        lib = ctypes.CDLL(built)
-        fn = lib.minivllm_hopper_prefill
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i64, i64, i32, i32,
-                       ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ctypes.c_char_p, i32]
-        fn.restype = i32
-        return lib
+        return load_library(built)
     except Exception as e:  # no nvcc, a failed build: Triton serves
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         logger.warning("the Hopper prefill attention kernel (%s) did not build, so prefill attention stays on "
@@ -164,9 +177,11 @@ def supports(query: torch.Tensor, layout: KVCacheLayout, metadata: AttentionMeta
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                      metadata: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:
+                      metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                      lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """out[t] = causal attention of query[t] over its sequence's cached keys (supports() must hold).
-    With metadata.split_decodes the one-token sequences are left alone (the decode kernel's)."""
+    With metadata.split_decodes the one-token sequences are left alone (the decode kernel's).
+    lib: another build of the kernel (load_library's; benchmarks/hopper_variants.py), else library()."""
     views = layout.split(kv_cache)
     key, value = views.key, views.value  # [num_blocks, block_size, num_kv_heads, head_dim]
     if key.stride() != value.stride() or key.stride(3) != 1 or key.stride(0) != key.stride(1) * layout.block_size:
@@ -181,7 +196,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCac
                              f"got {array.dtype} {array.stride()}")
     num_tokens, num_heads, _ = query.shape
     error = ctypes.create_string_buffer(_ERROR_BYTES)
-    status = library().minivllm_hopper_prefill(
+    status = (lib or library()).minivllm_hopper_prefill(
         out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0), query.stride(1),
         num_tokens, num_heads, key.data_ptr(), value.data_ptr(), key.shape[0] * layout.block_size, key.stride(1),
         key.stride(2), layout.num_kv_heads, layout.block_size,

@@ -1,0 +1,93 @@
+"""Time versions of the Hopper prefill kernel side by side (GPU): each source is built with nvcc
+and timed on the same batches, in interleaved rounds, since an H100's clock drifts by up to ~10%
+between back-to-back runs of one binary.
+
+    python benchmarks/hopper_variants.py --cases prefill-1x16384+descending,prefill-32k \
+        --variant now=worker/attention/hopper_prefill.cu --variant old=/tmp/old.cu [--rounds 5]
+
+A case is a tune_attention.py case with an optional +BLOCK_ORDER (scattered, ascending, descending,
+shuffled; default scattered). Each variant's line gives the median over rounds and the fastest
+round, and says where its outputs are not bit-equal to the first variant's (a different key order
+sums in a different order; correctness is tests/gpu/test_hopper_prefill.py's job). Triton's
+kernel is timed last on the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.tune_attention import CASES, HEAD_DIM, HEADS, build_step, causal_pairs  # noqa: E402
+
+
+def main() -> None:
+    from minivllm.worker.attention import hopper_prefill
+    from minivllm.worker.attention.triton_attention import paged_attention
+    from tests.gpu.test_triton_attention import BLOCK_ORDERS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="prefill-1x16384+ascending,prefill-1x16384+descending")
+    parser.add_argument("--variant", action="append", required=True, help="NAME=SOURCE.cu (repeat)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    nvcc = hopper_prefill._nvcc()
+    if nvcc is None:
+        raise SystemExit("nvcc not found")
+    build_dir = tempfile.mkdtemp(prefix="hopper-variants-")
+    libs = {}
+    for spec in args.variant:
+        name, _, source = spec.partition("=")
+        report = hopper_prefill.compile_library(nvcc, source, os.path.join(build_dir, f"{name}.so"))
+        print(name, "|", "; ".join(line.split(":", 1)[-1].strip() for line in report.splitlines()
+                                   if "registers" in line or "spill" in line))
+        libs[name] = hopper_prefill.load_library(os.path.join(build_dir, f"{name}.so"))
+
+    for spec in args.cases.split(","):
+        case, _, order = spec.partition("+")
+        order = order or "scattered"
+        if order not in BLOCK_ORDERS:
+            raise SystemExit(f"block order must be one of {BLOCK_ORDERS}, got {order!r}")
+        steps = [build_step(cases, False, 257, order) for cases in CASES[case]]
+        tflop = 4 * sum(causal_pairs(c, n) for cases in CASES[case] for c, n in cases) * HEAD_DIM * HEADS / 1e12
+
+        def run(lib):
+            outs = []
+            for q, cache, metadata, _, _ in steps:
+                out = torch.empty_like(q)
+                hopper_prefill.prefill_attention(q, cache, metadata.layout(cache), metadata, HEAD_DIM**-0.5, out, lib)
+                outs.append(out)
+            return outs
+
+        first = None
+        differs = {}
+        for name, lib in libs.items():
+            outs = run(lib)
+            first = first or outs
+            differs[name] = not all(torch.equal(a, b) for a, b in zip(outs, first))
+        times = {name: [] for name in libs}
+        for _ in range(args.rounds):
+            for name, lib in libs.items():
+                times[name].append(do_bench(lambda lib=lib: run(lib), warmup=5, rep=25, return_mode="median"))
+        cells = []
+        for name, ms in times.items():
+            median = statistics.median(ms)
+            cells.append(f"{name} {median * 1000:.0f} us {tflop / median * 1000:.0f} TF [min {min(ms) * 1000:.0f}]"
+                         + (" (differs)" if differs[name] else ""))
+        hopper_prefill.ENABLED = False  # paged_attention would route these steps to the default build
+        triton = do_bench(lambda: [paged_attention(q, cache, md, HEAD_DIM**-0.5) for q, cache, md, _, _ in steps],
+                          warmup=5, rep=25, return_mode="median")
+        hopper_prefill.ENABLED = True
+        cells.append(f"triton {triton * 1000:.0f} us {tflop / triton * 1000:.0f} TF")
+        print(f"{case} {order}: " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
