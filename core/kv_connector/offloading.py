@@ -53,10 +53,15 @@ def cdiv(a: int, b: int) -> int:
 
 def _sort_by_host_block(copy: BlockCopy) -> None:
     """Order a store's pairs by host block: the worker moves each run of consecutive host blocks
-    with one DMA, and blocks the LRU gives up together are often neighbours."""
-    pairs = sorted(zip(copy.host_block_ids, copy.gpu_block_ids))
-    copy.host_block_ids = [host for host, _ in pairs]
-    copy.gpu_block_ids = [gpu for _, gpu in pairs]
+    with one DMA, and blocks the LRU gives up together are often neighbours.
+
+    A host block written twice in one store (a full host tier can evict a copy made earlier in the
+    same batch and hand its slot out again) keeps only its last write: that is the block the host
+    cache now names for the slot. (Sorting the pairs whole would order such writes by GPU block id,
+    and the slot would end up holding the evicted copy under the other block's hash.)"""
+    last_write = {host: gpu for host, gpu in zip(copy.host_block_ids, copy.gpu_block_ids)}
+    copy.host_block_ids = sorted(last_write)
+    copy.gpu_block_ids = [last_write[host] for host in copy.host_block_ids]
 
 
 class HostBlockPool:
@@ -402,8 +407,8 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
             self.ahead_batch_of_slot[slots[0]] = self.next_ahead_batch
         if not copy.gpu_block_ids:
             return None
-        self.num_spilled += len(copy.gpu_block_ids)
         _sort_by_host_block(copy)
+        self.num_spilled += len(copy.gpu_block_ids)
         self.num_spilled_ahead += len(copy.gpu_block_ids)
         return copy
 

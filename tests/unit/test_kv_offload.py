@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
-from minivllm.core.block_pool import hash_request_blocks
-from minivllm.core.kv_connector.offloading import HostBlockPool, OffloadingConnectorScheduler
+from minivllm.core.block_pool import BlockPool, hash_request_blocks
+from minivllm.core.kv_connector.offloading import HostBlockPool, OffloadingConnectorScheduler, _sort_by_host_block
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import Scheduler
-from minivllm.protocol.kv_transfer import KVConnectorOutput, OffloadingMetadata
+from minivllm.protocol.kv_transfer import BlockCopy, KVConnectorOutput, OffloadingMetadata
 from minivllm.protocol.messages import ModelRunnerOutput
 from tests.unit.scheduler_harness import FakeWorker, make_config, make_request, schedulers_in_test
 from tests.unit.test_kv_connector import run, tokens
@@ -72,6 +72,15 @@ def test_host_pool_clear_cache_keeps_what_loads_read() -> None:
     host.clear_cache()
     assert host.lookup(b"a") is None and host.lookup(b"b") == b
     assert sorted(host.free_slots) == sorted([a, c])
+
+
+def test_a_host_block_written_twice_in_one_copy_keeps_its_last_write() -> None:
+    """A full host tier can evict a copy made earlier in the same batch and hand its slot out again:
+    the slot must end up holding the later block (the one the host cache names), whatever the GPU
+    block ids; the earlier write is dropped (it would be overwritten anyway)."""
+    copy = BlockCopy(gpu_block_ids=[9, 4, 7, 2], host_block_ids=[3, 5, 1, 3])
+    _sort_by_host_block(copy)
+    assert copy.host_block_ids == [1, 3, 5] and copy.gpu_block_ids == [7, 2, 4]
 
 
 # ---------------------------------------------------------------- the scheduler with the tier
@@ -192,11 +201,24 @@ def assert_host_clean(scheduler: Scheduler) -> None:
     assert len(set(host.free_slots) | set(host.cached_slots())) == host.num_blocks  # no slot twice
 
 
+@pytest.fixture(params=["as-queued", "ascending", "descending"])
+def allocation_order(request, monkeypatch) -> str:
+    """The order in which the block pool hands out one allocation's blocks: the tier must not
+    depend on it (other orders put other block ids side by side in its copies; an ascending order
+    once exposed a copy that wrote one host block twice in the wrong order)."""
+    if request.param != "as-queued":
+        real = BlockPool.get_new_blocks
+        sign = 1 if request.param == "ascending" else -1
+        monkeypatch.setattr(BlockPool, "get_new_blocks",
+                            lambda self, n: sorted(real(self, n), key=lambda block: sign * block.block_id))
+    return request.param
+
+
 @pytest.mark.parametrize("load_delay", [0, 2])
 @pytest.mark.parametrize("store_delay,copy_ahead", [(0, True), (3, True), (1, False)],
                          ids=["ahead-stores-quick", "ahead-stores-slow", "spill-on-eviction-only"])
 def test_spilled_prefixes_come_back_from_the_host_tier(fake_model: str, load_delay: int, store_delay: int,
-                                                       copy_ahead: bool) -> None:
+                                                       copy_ahead: bool, allocation_order: str) -> None:
     # 16 GPU blocks hold about two requests: each round evicts the previous round's prefixes.
     reference_scheduler, reference_worker = make(fake_model, 16, None)
     reference = run_rounds(reference_scheduler, reference_worker, rounds=3)
