@@ -22,7 +22,6 @@ import random
 import statistics
 
 import numpy as np
-
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.config import EngineConfig

@@ -25,12 +25,13 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.tune_attention import CASES, HEAD_DIM, HEADS, build_step, causal_pairs  # noqa: E402
+from benchmarks.tune_attention import CASES, HEAD_DIM, HEADS, build_step, causal_pairs
 
 
 def main() -> None:
     from minivllm.worker.attention import hopper_prefill
     from minivllm.worker.attention.triton_attention import paged_attention
+
     from tests.gpu.test_triton_attention import BLOCK_ORDERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", required=True, help="NAME=SOURCE.cu (repeat)")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    nvcc = hopper_prefill._nvcc()
+    nvcc = hopper_prefill.find_nvcc()
     if nvcc is None:
         raise SystemExit("nvcc not found")
     build_dir = tempfile.mkdtemp(prefix="hopper-variants-")
@@ -58,7 +59,7 @@ def main() -> None:
         steps = [build_step(cases, False, 257, order) for cases in CASES[case]]
         tflop = 4 * sum(causal_pairs(c, n) for cases in CASES[case] for c, n in cases) * HEAD_DIM * HEADS / 1e12
 
-        def run(lib):
+        def run(lib, steps=steps):
             outs = []
             for q, cache, metadata, _, _ in steps:
                 out = torch.empty_like(q)
@@ -82,7 +83,7 @@ def main() -> None:
             cells.append(f"{name} {median * 1000:.0f} us {tflop / median * 1000:.0f} TF [min {min(ms) * 1000:.0f}]"
                          + (" (differs)" if differs[name] else ""))
         hopper_prefill.ENABLED = False  # paged_attention would route these steps to the default build
-        triton = do_bench(lambda: [paged_attention(q, cache, md, HEAD_DIM**-0.5) for q, cache, md, _, _ in steps],
+        triton = do_bench(lambda steps=steps: [paged_attention(q, cache, md, HEAD_DIM**-0.5) for q, cache, md, _, _ in steps],
                           warmup=5, rep=25, return_mode="median")
         hopper_prefill.ENABLED = True
         cells.append(f"triton {triton * 1000:.0f} us {tflop / triton * 1000:.0f} TF")

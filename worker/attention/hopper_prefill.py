@@ -57,7 +57,7 @@ MIN_CONSECUTIVE_SHARE = 0.25
 _ERROR_BYTES = 512
 
 
-def _nvcc() -> str | None:
+def find_nvcc() -> str | None:
     from torch.utils.cpp_extension import CUDA_HOME
 
     found = shutil.which("nvcc")
@@ -73,11 +73,11 @@ def _build_name(nvcc: str) -> str:
     return f"minivllm_hopper_prefill_{hashlib.sha1(version.encode() + source).hexdigest()[:16]}"
 
 
-def compile_library(nvcc: str, source: str, target: str, *extra_flags: str) -> str:
+def compile_library(nvcc: str, source: str, target: str) -> str:
     """nvcc source into the shared library target (sm_90a); returns ptxas' report (registers,
     spills). Raises RuntimeError with nvcc's message if it fails."""
     result = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
-                             "-Xcompiler", "-fPIC", "-Xptxas", "-v", *extra_flags, "-o", target, source],
+                             "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", target, source],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed: {result.stderr.strip()[-2000:]}")
@@ -100,7 +100,7 @@ def library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (said once, in the log). Built in a
     directory of its own and renamed into place, so concurrent builds never wait on a lock."""
     try:
-        nvcc = _nvcc()
+        nvcc = find_nvcc()
         if nvcc is None:
             raise RuntimeError("nvcc not found (on PATH or under CUDA_HOME)")
         name = _build_name(nvcc)
