@@ -385,7 +385,9 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
     def _spill_ahead(self) -> BlockCopy | None:
         """Copy out, ahead of their eviction, the blocks the last step computed and the cached
         blocks the free queue hands out next, where the host tier does not hold them yet (see the
-        module docstring)."""
+        module docstring). A batch never makes room by evicting its own copies (pinned until it is
+        built): on a full tier that would only trade the blocks evicted soonest for later ones, a
+        wasted copy each."""
         if self.block_pool is None or not self.copy_ahead:
             return None
         computed, self.cached_last_step, self.cached_this_step = self.cached_last_step, self.cached_this_step, []
@@ -399,12 +401,14 @@ class OffloadingConnectorScheduler(KVConnectorSchedulerBase):
                 continue  # uncached, or the host holds it (copied ahead, or spilled and loaded back)
             slots = self.host.allocate(1)
             if slots is None:
-                break  # every host block is pinned or swapped
+                break  # every host block is pinned (this batch's copies among them) or swapped
             self.host.insert(block_hash, slots[0], on_gpu=True)
+            self.host.pin(slots)
             copy.gpu_block_ids.append(block.block_id)
             copy.host_block_ids.append(slots[0])
             self.ahead_batch_of_block[block.block_id] = self.next_ahead_batch
             self.ahead_batch_of_slot[slots[0]] = self.next_ahead_batch
+        self.host.unpin(copy.host_block_ids)
         if not copy.gpu_block_ids:
             return None
         _sort_by_host_block(copy)

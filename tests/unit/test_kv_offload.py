@@ -201,6 +201,24 @@ def assert_host_clean(scheduler: Scheduler) -> None:
     assert len(set(host.free_slots) | set(host.cached_slots())) == host.num_blocks  # no slot twice
 
 
+def test_a_copy_ahead_batch_never_evicts_its_own_copies(fake_model: str) -> None:
+    """On a tier with room for two blocks, three cached GPU blocks next in line for eviction: the
+    batch copies the two evicted soonest and stops, rather than evicting the first copy to make
+    room for the third (a wasted copy, and the block evicted first left without one)."""
+    scheduler, _ = make(fake_model, 8, 2)
+    connector: OffloadingConnectorScheduler = scheduler.connector
+    pool = scheduler.kv_cache_manager.block_pool
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, [b"first", b"second", b"third"])
+    connector.cached_this_step.clear()  # as if copied out already: only the free queue's order counts
+    pool.free_blocks(blocks)  # to the free queue's tail, evicted in this order after the 5 uncached
+    copy = connector._spill_ahead()
+    assert copy is not None and copy.gpu_block_ids == [blocks[0].block_id, blocks[1].block_id]
+    assert sorted(copy.host_block_ids) == [0, 1] and connector.host.pins == {}
+    assert connector.host.lookup(b"first") is not None and connector.host.lookup(b"second") is not None
+    assert connector.host.lookup(b"third") is None
+
+
 @pytest.fixture(params=["as-queued", "ascending", "descending"])
 def allocation_order(request, monkeypatch) -> str:
     """The order in which the block pool hands out one allocation's blocks: the tier must not
