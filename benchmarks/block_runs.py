@@ -38,7 +38,7 @@ def tile_shares(block_ids: list[int], num_tokens: int) -> tuple[float, float]:
     tiles = num_tokens // hopper_prefill.TILE_ROWS
     groups = np.array(block_ids[: tiles * per_tile], dtype=np.int64).reshape(tiles, per_tile)
     in_order = float((np.diff(groups, axis=1) == 1).all(axis=1).mean())
-    return in_order, hopper_prefill.consecutive_share(groups.reshape(1, -1), np.array([num_tokens]), BLOCK_SIZE)
+    return in_order, hopper_prefill.tma_share(groups.reshape(1, -1), np.array([num_tokens]), BLOCK_SIZE)
 
 
 def main() -> None:
@@ -91,8 +91,8 @@ def main() -> None:
 
     in_order = [s[0] for s in looked_at.values()]
     any_order = [s[1] for s in looked_at.values()]
-    taken = sum(share >= hopper_prefill.MIN_CONSECUTIVE_SHARE for share in any_order)
-    taken_in_order = sum(share >= hopper_prefill.MIN_CONSECUTIVE_SHARE for share in in_order)
+    taken = sum(share >= hopper_prefill.MIN_TMA_SHARE for share in any_order)
+    taken_in_order = sum(share >= hopper_prefill.MIN_TMA_SHARE for share in in_order)
     print(f"{'sorted' if args.sorted else 'as queued'} allocations, {args.blocks} blocks, {len(looked_at)} long prompts "
           f"after {args.steps} steps: tiles in order {statistics.mean(in_order):.2f} (min {min(in_order):.2f}), "
           f"runs in any order {statistics.mean(any_order):.2f} (min {min(any_order):.2f}); "

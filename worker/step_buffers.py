@@ -204,11 +204,11 @@ class StepBuffers:
         # (A graph's bucket says for itself; an eager step as a graph of its size would.)
         metadata = self.metadata(tokens, seqs, step.max_query_len, step.max_seq_len,
                                  step_splits_decodes(num_seqs, num_tokens, step.max_query_len))
-        metadata.consecutive_share = self.consecutive_share(step)
+        metadata.tma_share = self.tma_share(step)
         return metadata
 
-    def consecutive_share(self, step: StepInputs) -> float | None:
-        """The step's hopper_prefill.consecutive_share where that kernel serves the model and the
+    def tma_share(self, step: StepInputs) -> float | None:
+        """The step's hopper_prefill.tma_share where that kernel serves the model and the
         step is one it could take (None otherwise), computed once per step: the graphs' bucket
         and an eager step's metadata both ask."""
         if not self.hopper_prefill:
@@ -221,7 +221,7 @@ class StepBuffers:
 
     def takes_hopper_prefill(self, step: StepInputs) -> bool:
         """Whether the step's attention goes to the Hopper prefill kernel (StepGraphs' eager_prefill)."""
-        share = self.consecutive_share(step)
+        share = self.tma_share(step)
         return share is not None and hopper_prefill.takes(step.num_tokens, step.max_seq_len, share)
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,

@@ -54,13 +54,14 @@ def _built():
 
 @pytest.mark.parametrize("block_order", BLOCK_ORDERS)
 @pytest.mark.parametrize("heads_per_kv", [1, 2, 4, 8])
-@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 def test_kernel_equals_reference(heads_per_kv: int, block_size: int, block_order: str) -> None:
     """Every prefill row equals the reference; the decode rows (the decode kernel's) stay untouched.
-    Scattered blocks are gathered with cp.async. A tile whose blocks are a run of consecutive ids is
-    copied with TMA: in order anywhere (in an ascending batch, every tile but a sequence's last,
-    which runs past its end), out of order (descending, shuffled) where every query row sees the
-    whole tile; the causal diagonal's tiles out of order are gathered."""
+    A tile whose blocks are a run of consecutive ids is copied with TMA as one box: in order anywhere
+    (in an ascending batch, every tile but a sequence's last, which runs past its end), out of order
+    (descending, shuffled) where every query row sees the whole tile. Other tiles go by a box per
+    block with blocks of 64 slots (the causal diagonal's included), and are gathered with cp.async
+    with smaller ones."""
     q, _, _, cache, metadata = _batch(heads_per_kv, block_size, seed=heads_per_kv * 100 + block_size,
                                       block_order=block_order)
     expected = reference_attention(q.double(), cache.double(), metadata, 128**-0.5)
@@ -121,19 +122,21 @@ def _one_sequence_reference(q, cache, metadata, rows, block_size):
 
 
 def test_long_prompt_and_chunk_after_it() -> None:
-    """A 16k-token prompt, then an 8k-token chunk after 24k cached, in each way blocks lie: rows far
-    from the first keys (checked on a sample of rows, the first and last among them)."""
-    for cases, block_order in (([(0, 16384)], "scattered"), ([(0, 16384)], "ascending"),
-                               ([(0, 16384)], "descending"), ([(24576, 8192)], "ascending"),
-                               ([(24576, 8192)], "shuffled")):
-        q, _, _, cache, metadata = _batch(2, 16, seed=cases[0][0] + len(block_order), cases=cases,
-                                          block_order=block_order)
+    """A 16k-token prompt, then an 8k-token chunk after 24k cached, in each way blocks lie and with
+    blocks of 16 (gathered where scattered) and 64 (a box per block): rows far from the first keys
+    (checked on a sample of rows, the first and last among them)."""
+    for cases, block_order, block_size in (([(0, 16384)], "scattered", 16), ([(0, 16384)], "ascending", 16),
+                                           ([(0, 16384)], "descending", 16), ([(24576, 8192)], "ascending", 16),
+                                           ([(24576, 8192)], "shuffled", 16), ([(0, 16384)], "scattered", 64),
+                                           ([(24576, 8192)], "scattered", 64)):
+        q, _, _, cache, metadata = _batch(2, block_size, seed=cases[0][0] + len(block_order) + block_size,
+                                          cases=cases, block_order=block_order)
         out = torch.full_like(q, float("nan"))
         hopper_prefill.prefill_attention(q, cache, metadata.layout(cache), metadata, 128**-0.5, out)
         assert not out.isnan().any()
         rows = torch.cat([torch.arange(0, q.shape[0], 61, device=q.device),
                           torch.tensor([q.shape[0] - 1], device=q.device)])
-        _check(out[rows], _one_sequence_reference(q, cache, metadata, rows, 16))
+        _check(out[rows], _one_sequence_reference(q, cache, metadata, rows, block_size))
 
 
 def test_paged_attention_takes_it_for_big_steps_with_a_long_sequence(monkeypatch) -> None:
@@ -163,7 +166,7 @@ def test_refuses_what_it_does_not_serve() -> None:
     assert hopper_prefill.supports(q, layout, metadata)
     assert not hopper_prefill.supports(q[: hopper_prefill.MIN_TOKENS - 1], layout, metadata)
     assert not hopper_prefill.supports(q, layout, dataclasses.replace(metadata, max_seq_len=hopper_prefill.MIN_SEQ_LEN - 1))
-    scattered = dataclasses.replace(metadata, consecutive_share=hopper_prefill.MIN_CONSECUTIVE_SHARE / 2)
+    scattered = dataclasses.replace(metadata, tma_share=hopper_prefill.MIN_TMA_SHARE / 2)
     assert not hopper_prefill.supports(q, layout, scattered)  # about even with Triton there
     assert not hopper_prefill.supports(q.float(), layout, metadata)
     assert not hopper_prefill.supports(q, dataclasses.replace(layout, block_size=7), metadata)

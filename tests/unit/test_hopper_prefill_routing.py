@@ -3,13 +3,15 @@ the host from a step's sizes and block table, so it is checked here without a GP
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from minivllm.worker.attention import hopper_prefill as hp
 
 LONG = hp.MIN_SEQ_LEN
 
 
-def test_consecutive_share_counts_whole_tiles_of_long_sequences() -> None:
+def test_tma_share_counts_whole_tiles_of_long_sequences() -> None:
     block_size = 16  # 8 blocks a 128-key tile
     tiles = LONG // 128
     consecutive = np.arange(tiles * 8)
@@ -18,17 +20,17 @@ def test_consecutive_share_counts_whole_tiles_of_long_sequences() -> None:
     half[: tiles * 4] = scattered[: tiles * 4] + 10**6  # the first half of the tiles broken up
     table = np.zeros((4, tiles * 8 + 3), dtype=np.int32)
     table[0, : tiles * 8] = consecutive
-    assert hp.consecutive_share(table[:1], np.array([LONG]), block_size) == 1.0
+    assert hp.tma_share(table[:1], np.array([LONG]), block_size) == 1.0
     table[1, : tiles * 8] = scattered
-    assert hp.consecutive_share(table[1:2], np.array([LONG]), block_size) < 0.01
+    assert hp.tma_share(table[1:2], np.array([LONG]), block_size) < 0.01
     table[2, : tiles * 8] = half
-    assert hp.consecutive_share(table[2:3], np.array([LONG]), block_size) == 0.5
+    assert hp.tma_share(table[2:3], np.array([LONG]), block_size) == 0.5
     # Short sequences don't count (rows 2 and 3 here); a partial last tile doesn't either (row 0's 100).
     lengths = np.array([LONG + 100, LONG, LONG - 1, 50])
-    share = hp.consecutive_share(table, lengths, block_size)
+    share = hp.tma_share(table, lengths, block_size)
     scattered_hits = int((np.diff(np.sort(scattered.reshape(tiles, 8), axis=1), axis=1) == 1).all(axis=1).sum())
     assert share == (tiles + scattered_hits) / (2 * tiles)
-    assert hp.consecutive_share(table, np.array([LONG - 1] * 4), block_size) == 0.0  # no long sequence
+    assert hp.tma_share(table, np.array([LONG - 1] * 4), block_size) == 0.0  # no long sequence
 
 
 def test_runs_of_consecutive_ids_count_in_any_order() -> None:
@@ -37,26 +39,39 @@ def test_runs_of_consecutive_ids_count_in_any_order() -> None:
     shuffled run. A run with a gap or a repeated id is not."""
     tiles = LONG // 128
     descending = np.arange(tiles * 8)[::-1].reshape(1, -1).copy()
-    assert hp.consecutive_share(descending, np.array([LONG]), 16) == 1.0
+    assert hp.tma_share(descending, np.array([LONG]), 16) == 1.0
     rng = np.random.default_rng(2)
     shuffled = np.concatenate([8 * t + rng.permutation(8) for t in range(tiles)]).reshape(1, -1)
-    assert hp.consecutive_share(shuffled, np.array([LONG]), 16) == 1.0
+    assert hp.tma_share(shuffled, np.array([LONG]), 16) == 1.0
     gaps = shuffled.copy()
     gaps[0, 0:8] = [0, 1, 2, 3, 4, 5, 6, 8]  # 7 missing
     gaps[0, 8:16] = [9, 9, 10, 11, 12, 13, 14, 15]  # 9 twice
-    assert hp.consecutive_share(gaps, np.array([LONG]), 16) == (tiles - 2) / tiles
+    assert hp.tma_share(gaps, np.array([LONG]), 16) == (tiles - 2) / tiles
 
 
-def test_block_size_of_a_whole_tile_is_always_consecutive() -> None:
-    tiles = LONG // 128
-    table = np.random.default_rng(1).permutation(tiles).reshape(1, -1)
-    assert hp.consecutive_share(table, np.array([LONG]), 128) == 1.0
+def test_blocks_of_box_size_always_go_by_tma() -> None:
+    """Blocks of a whole tile are one box; blocks of BLOCK_BOX_MIN_SLOTS or more are a box each, in
+    any order. A step with no long sequence has no tiles to count."""
+    for block_size in (hp.BLOCK_BOX_MIN_SLOTS, 128):
+        blocks = LONG // block_size
+        table = np.random.default_rng(block_size).permutation(blocks * 50)[:blocks].reshape(1, -1)
+        assert hp.tma_share(table, np.array([LONG]), block_size) == 1.0
+        assert hp.tma_share(table, np.array([LONG - 1]), block_size) == 0.0
+    assert hp.tma_share(np.random.default_rng(3).permutation(LONG // 32 * 50)[: LONG // 32].reshape(1, -1),
+                        np.array([LONG]), 32) < 0.01  # 32 slots: gathered
+
+
+def test_box_threshold_is_the_kernels() -> None:
+    """The routing's BLOCK_BOX_MIN_SLOTS is the kernel's kBlockBoxMinSlots."""
+    with open(hp.SOURCE) as f:
+        found = re.search(r"constexpr int kBlockBoxMinSlots = (\d+);", f.read())
+    assert found is not None and int(found.group(1)) == hp.BLOCK_BOX_MIN_SLOTS
 
 
 def test_takes_big_steps_with_a_long_sequence_in_consecutive_enough_blocks() -> None:
     assert hp.takes(hp.MIN_TOKENS, LONG)
-    assert hp.takes(hp.MIN_TOKENS, LONG, share=hp.MIN_CONSECUTIVE_SHARE)
-    assert not hp.takes(hp.MIN_TOKENS, LONG, share=hp.MIN_CONSECUTIVE_SHARE / 2)
+    assert hp.takes(hp.MIN_TOKENS, LONG, share=hp.MIN_TMA_SHARE)
+    assert not hp.takes(hp.MIN_TOKENS, LONG, share=hp.MIN_TMA_SHARE / 2)
     assert not hp.takes(hp.MIN_TOKENS - 1, LONG)
     assert not hp.takes(hp.MIN_TOKENS, LONG - 1)
     tiles = LONG // 128
@@ -65,7 +80,7 @@ def test_takes_big_steps_with_a_long_sequence_in_consecutive_enough_blocks() -> 
     assert hp.takes_step(hp.MIN_TOKENS, LONG, table[:, ::-1].copy(), np.array([LONG]), 16) == (True, 1.0)
     scattered = np.random.default_rng(3).permutation(tiles * 8).reshape(1, -1)
     taken, share = hp.takes_step(hp.MIN_TOKENS, LONG, scattered, np.array([LONG]), 16)
-    assert not taken and share < hp.MIN_CONSECUTIVE_SHARE
+    assert not taken and share < hp.MIN_TMA_SHARE
     # A step it could never take computes nothing.
     assert hp.takes_step(hp.MIN_TOKENS - 1, LONG, table, np.array([LONG]), 16) == (False, None)
 

@@ -112,18 +112,18 @@ def test_long_prefill_steps_share_of_consecutive_blocks_is_computed_once(monkeyp
     monkeypatch.setattr(hopper_prefill, "takes_step", lambda *a: calls.append(1) or real(*a))
 
     assert not buffers.takes_hopper_prefill(step)  # the kernel does not serve: nothing looked at
-    assert buffers.load(step).consecutive_share is None and not calls
+    assert buffers.load(step).tma_share is None and not calls
 
     buffers.hopper_prefill = True
     assert buffers.takes_hopper_prefill(step)
-    assert buffers.load(step).consecutive_share == 1.0
+    assert buffers.load(step).tma_share == 1.0
     assert len(calls) == 1
     assert real(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens, 16) == (True, 1.0)
 
     scattered = step_of([2048], [8000])
     scattered.block_table = np.random.default_rng(0).permutation(columns).astype(np.int32).reshape(1, columns)
     assert not buffers.takes_hopper_prefill(scattered)
-    assert buffers.load(scattered).consecutive_share == 0.0
+    assert buffers.load(scattered).tma_share == 0.0
     short = step_of([100], [100])
-    assert not buffers.takes_hopper_prefill(short) and buffers.load(short).consecutive_share is None
+    assert not buffers.takes_hopper_prefill(short) and buffers.load(short).tma_share is None
     assert len(calls) == 3

@@ -4,7 +4,8 @@
 //   - a producer warpgroup that fills a 2-stage ring of shared-memory buffers with 128-key tiles
 //     of keys and values from the paged cache, each buffer completing on an mbarrier. A tile whose
 //     cache blocks are a run of consecutive ids goes by TMA (two 128-row boxes per tensor, one
-//     thread issues them); any other is gathered with cp.async by all 128 threads. The queries
+//     thread issues them); any other goes by a TMA box per block where blocks hold 64 slots or
+//     more, and is gathered with cp.async by all 128 threads where they are smaller. The queries
 //     come by TMA once.
 //   - two consumer warpgroups, 64 query rows each, that compute S = Q K^T with wgmma (both operands
 //     in shared memory), the online softmax in registers, and O += P V with wgmma (P straight from
@@ -36,6 +37,10 @@ constexpr int kHeadDim = 128;
 constexpr int kBlockM = 128;  // query rows per program: two consumer warpgroups of 64
 constexpr int kBlockN = 128;  // keys per tile
 constexpr int kStages = 2;  // (3 fit in shared memory; measured no faster, up to 6% slower)
+// Blocks of at least this many slots are copied by TMA one box per block wherever a tile is not
+// one run: a box of 64 rows moves about as fast as one of 128 (H100, scattered blocks of 64: 559
+// TFLOP/s against the gather's 405); boxes of 16 rows run at half speed, below the gather.
+constexpr int kBlockBoxMinSlots = 64;
 constexpr int kThreads = 384;
 constexpr int kHalfBytes = 128 * 128;      // a 64-dim half of a 128-row tile: 128 rows of 128 bytes
 constexpr int kTileBytes = 2 * kHalfBytes;  // a whole 128 x 128 bf16 tile
@@ -63,6 +68,7 @@ struct Params {
   int num_heads;
   int heads_per_kv;
   int block_size_log2;
+  int block_boxes;  // blocks are copied by a box each where a tile is not one run (kBlockBoxMinSlots)
   float scale_log2;
   int skip_decodes;  // one-token sequences are the decode kernel's
 };
@@ -207,7 +213,8 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap query_map, const __grid_constant__ CUtensorMap key_map,
-                   const __grid_constant__ CUtensorMap value_map, const Params p) {
+                   const __grid_constant__ CUtensorMap value_map, const __grid_constant__ CUtensorMap key_block_map,
+                   const __grid_constant__ CUtensorMap value_block_map, const Params p) {
   // The last tiles (the longest, causally) go first, every head's; short ones fill the tail.
   const int head = blockIdx.x % p.num_heads;
   const int num_tiles = gridDim.x / p.num_heads;
@@ -281,10 +288,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     // copied with TMA (two 128-row boxes per tensor): in order, or in any order where every query row
     // sees the whole tile, since the softmax and P V do not care in which order keys come, only the
     // causal mask does. A fresh engine hands out a long prompt's blocks in order; a recycled pool in
-    // runs of descending ids (a finished request's blocks are freed last first). Any other tile is
-    // gathered with cp.async, row by row: TMA boxes of one block (2 KB per 64-dim half) ran at half
-    // the speed of 128-row ones. Every producer thread reads the tile's few block ids itself (the
-    // same words, from L1), so all take the same path without voting.
+    // runs of descending ids (a finished request's blocks are freed last first). Any other tile
+    // goes by a TMA box per block, each at its place, where blocks hold at least kBlockBoxMinSlots
+    // slots; with smaller blocks it is gathered with cp.async, row by row (boxes of one 16-slot
+    // block, 2 KB per 64-dim half, ran at half the speed of 128-row ones). Every producer thread
+    // reads the tile's few block ids itself (the same words, from L1), so all take the same path
+    // without voting.
     // For cp.async, thread i copies 16-byte chunk i % 16 of rows i / 16 + 8 j (j < 16), so that 16
     // threads read a row's 256 contiguous bytes; the chunk lands where the 128-byte swizzle puts
     // it (chunk index XOR the row's place among 8, here i / 16 for every row of the thread).
@@ -296,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int block_shift = p.block_size_log2;
     const int slot_mask = (1 << block_shift) - 1;
     const int blocks_per_tile = kBlockN >> block_shift;  // 1 to 16
-    // The tile's first cache block where TMA copies it, else -1.
+    // The tile's first cache block where TMA copies it in one box; -2 where a box per block, -1
+    // where it is gathered.
     auto tile_source = [&](int t) {
       if ((t + 1) * kBlockN > seq_len) return -1;  // a tile running off the sequence is gathered (zeros past it)
       const int* tile_blocks = block_table + t * blocks_per_tile;
@@ -313,21 +323,35 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       if (in_order) return first;
-      if (t >= num_unmasked || high - low != blocks_per_tile - 1) return -1;
+      const int not_a_run = p.block_boxes ? -2 : -1;
+      if (t >= num_unmasked || high - low != blocks_per_tile - 1) return not_a_run;
       uint32_t seen = 0;  // each id of the run exactly once (a table never repeats a block, but a
                           // wrong box would be silent)
 #pragma unroll
       for (int i = 0; i < 16; ++i)
         if (i < blocks_per_tile) seen |= 1u << (tile_blocks[i] - low);
-      return seen == (1u << blocks_per_tile) - 1 ? low : -1;
+      return seen == (1u << blocks_per_tile) - 1 ? low : not_a_run;
     };
     auto copy_tile = [&](int t, int lowest, uint32_t bar, uint32_t smem, const CUtensorMap* map,
-                         const __nv_bfloat16* rows) {
-      if (lowest >= 0) {
+                         const CUtensorMap* block_map, const __nv_bfloat16* rows) {
+      if (lowest != -1) {
         if (threadIdx.x == 0) {
           mbar_expect_tx(bar, kTileBytes);
-          tma_load_3d(smem, map, 0, kv_head, lowest << block_shift, bar);
-          tma_load_3d(smem + kHalfBytes, map, 64, kv_head, lowest << block_shift, bar);
+          if (lowest >= 0) {
+            tma_load_3d(smem, map, 0, kv_head, lowest << block_shift, bar);
+            tma_load_3d(smem + kHalfBytes, map, 64, kv_head, lowest << block_shift, bar);
+          } else {
+            // Block i's rows land at rows i * block_size of the tile: whole 1024-byte swizzle atoms
+            // (8 rows of 128 bytes), so each box swizzles as the one 128-row box would.
+            const int* tile_blocks = block_table + t * blocks_per_tile;
+#pragma unroll 1  // (unrolled, the producer's code doubles and the whole kernel slows down)
+            for (int i = 0; i < blocks_per_tile; ++i) {
+              const int first_slot = tile_blocks[i] << block_shift;
+              const uint32_t at = smem + ((i << block_shift) * 128);
+              tma_load_3d(at, block_map, 0, kv_head, first_slot, bar);
+              tma_load_3d(at + kHalfBytes, block_map, 64, kv_head, first_slot, bar);
+            }
+          }
         } else {
           mbar_arrive(bar);
         }
@@ -346,17 +370,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     // value buffer beside it (after P V), and the next scores need keys first.
     int source = tile_source(0);
     mbar_wait(k_empty(0), 1);  // a fresh barrier counts as released
-    copy_tile(0, source, k_full(0), k_smem(0), &key_map, key_rows);
+    copy_tile(0, source, k_full(0), k_smem(0), &key_map, &key_block_map, key_rows);
     for (int t = 0; t < num_key_tiles; ++t) {
       const int s = t % kStages;
       const int next_source = t + 1 < num_key_tiles ? tile_source(t + 1) : -1;
       if (t + 1 < num_key_tiles) {
         const int n = (t + 1) % kStages;
         mbar_wait(k_empty(n), (((t + 1) / kStages) & 1) ^ 1);
-        copy_tile(t + 1, next_source, k_full(n), k_smem(n), &key_map, key_rows);
+        copy_tile(t + 1, next_source, k_full(n), k_smem(n), &key_map, &key_block_map, key_rows);
       }
       mbar_wait(v_empty(s), ((t / kStages) & 1) ^ 1);
-      copy_tile(t, source, v_full(s), v_smem(s), &value_map, value_rows);
+      copy_tile(t, source, v_full(s), v_smem(s), &value_map, &value_block_map, value_rows);
       source = next_source;
     }
     return;
@@ -379,21 +403,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t probs[32];  // P in bf16, as wgmma's A fragments: keys [16 c, 16 c + 16) in probs[4 c .. 4 c + 4)
   float max0 = -INFINITY, max1 = -INFINITY;  // running maxima, in log2 units (scaled)
   float sum0 = 0.f, sum1 = 0.f;  // this thread's share of the running sums
-  const uint32_t q_rows = q_smem + wg * 64 * 128;
+  // The operands' descriptors are made once; each product step moves one by a constant (the
+  // address field counts 16-byte units and cannot carry: shared memory addresses stay under 2^18).
+  // Made per step instead, ptxas may build them in vector registers, adding work to every step.
+  const uint64_t q_desc = smem_desc(q_smem + wg * 64 * 128, 16, 1024);
+  const uint64_t k_desc0 = smem_desc(k_smem(0), 16, 1024);
+  const uint64_t v_desc0 = smem_desc(v_smem(0), kHalfBytes, 1024);
 
   auto issue_scores = [&](int stage) {  // S = Q K^T
+    const uint64_t k_desc = k_desc0 + stage * (kTileBytes >> 4);
 #pragma unroll
     for (int k = 0; k < kHeadDim / 16; ++k) {
-      const uint32_t offset = (k / 4) * kHalfBytes + (k % 4) * 32;
-      wgmma_ss_m64n128k16(s, smem_desc(q_rows + offset, 16, 1024), smem_desc(k_smem(stage) + offset, 16, 1024), k > 0);
+      const uint32_t step = ((k / 4) * kHalfBytes + (k % 4) * 32) >> 4;
+      wgmma_ss_m64n128k16(s, q_desc + step, k_desc + step, k > 0);
     }
     wgmma_commit();
   };
   auto issue_values = [&](int stage) {  // O += P V
+    const uint64_t v_desc = v_desc0 + stage * (kTileBytes >> 4);
 #pragma unroll
     for (int k = 0; k < kBlockN / 16; ++k) {
       const uint32_t a[4] = {probs[4 * k], probs[4 * k + 1], probs[4 * k + 2], probs[4 * k + 3]};
-      wgmma_rs_m64n128k16(o, a, smem_desc(v_smem(stage) + k * 16 * 128, kHalfBytes, 1024));
+      wgmma_rs_m64n128k16(o, a, v_desc + ((k * 16 * 128) >> 4));
     }
     wgmma_commit();
   };
@@ -560,7 +591,8 @@ extern "C" int minivllm_hopper_prefill(
     snprintf(error, error_len, "block_size must be a power of 2 from 8 to %d, got %d", kBlockN, block_size);
     return 1;
   }
-  CUtensorMap query_map, key_map, value_map;
+  const bool block_boxes = block_size >= kBlockBoxMinSlots;
+  CUtensorMap query_map, key_map, value_map, key_block_map, value_block_map;
   if (!encode_map(&query_map, query, num_tokens, num_heads, query_stride_token, query_stride_head, kBlockM, error,
                   error_len) ||
       !encode_map(&key_map, key_cache, num_slots, num_kv_heads, cache_stride_slot, cache_stride_head, kBlockN, error,
@@ -568,6 +600,16 @@ extern "C" int minivllm_hopper_prefill(
       !encode_map(&value_map, value_cache, num_slots, num_kv_heads, cache_stride_slot, cache_stride_head, kBlockN,
                   error, error_len))
     return 1;
+  if (block_boxes) {
+    if (!encode_map(&key_block_map, key_cache, num_slots, num_kv_heads, cache_stride_slot, cache_stride_head,
+                    block_size, error, error_len) ||
+        !encode_map(&value_block_map, value_cache, num_slots, num_kv_heads, cache_stride_slot, cache_stride_head,
+                    block_size, error, error_len))
+      return 1;
+  } else {  // never read
+    key_block_map = key_map;
+    value_block_map = value_map;
+  }
   static bool configured = false;
   if (!configured) {
     cudaError_t err = cudaFuncSetAttribute(prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
@@ -580,9 +622,10 @@ extern "C" int minivllm_hopper_prefill(
   Params p{static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(key_cache),
            static_cast<const __nv_bfloat16*>(value_cache), cache_stride_slot, cache_stride_head, out_stride_token,
            out_stride_head, block_tables, block_table_stride, seq_lens, query_start_loc, num_seqs, num_heads,
-           num_heads / num_kv_heads, block_size_log2, scale_log2, skip_decodes};
+           num_heads / num_kv_heads, block_size_log2, block_boxes, scale_log2, skip_decodes};
   const int grid = (num_tokens / kBlockM + num_seqs) * num_heads;
-  prefill_kernel<<<grid, kThreads, kSharedBytes, static_cast<cudaStream_t>(stream)>>>(query_map, key_map, value_map, p);
+  prefill_kernel<<<grid, kThreads, kSharedBytes, static_cast<cudaStream_t>(stream)>>>(
+      query_map, key_map, value_map, key_block_map, value_block_map, p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     snprintf(error, error_len, "launch: %s", cudaGetErrorString(err));

@@ -5,15 +5,18 @@ products and its softmax one after another in the same warps. hopper_prefill.cu 
 FlashAttention-3: one warpgroup copies tiles into a ring of shared-memory buffers while two others
 multiply with wgmma and run the softmax, taking turns at the tensor cores. A 128-key tile whose
 cache blocks are a run of consecutive ids is copied with TMA (in any order where the causal mask
-leaves the tile whole: a recycled pool hands out descending runs); scattered blocks are gathered
-with cp.async (TMA boxes of one 16-slot block ran at half the speed).
+leaves the tile whole: a recycled pool hands out descending runs). Other tiles go by a TMA box per
+block where blocks hold at least BLOCK_BOX_MIN_SLOTS slots, and are gathered with cp.async where
+they are smaller (TMA boxes of one 16-slot block ran at half the speed).
 
 It takes prefill steps of at least MIN_TOKENS tokens with a sequence of at least MIN_SEQ_LEN
 (takes()): long prompts and the chunks after them. There it runs 1.1-1.3x as fast as Triton (H100, one
 layer at 16k-32k) when each tile's blocks are a run of consecutive ids: ascending, as a fresh
-engine hands them out, or descending, as a pool that has served a while does; with blocks scattered
-at random it is no faster. Many short prompts stay on Triton, whose smaller tiles win there. Those
-steps run eagerly (cuda_graphs.StepGraphs' eager_prefill): the graphs capture Triton.
+engine hands them out, or descending, as a pool that has served a while does. A busy server's pool
+scatters a long prompt's blocks: with blocks of 16 such steps stay on Triton (the gather is no
+faster); with blocks of 64 (`block_size=64`) every tile goes by TMA, 1.2x as fast as Triton. Many
+short prompts stay on Triton, whose smaller tiles win there. Those steps run eagerly
+(cuda_graphs.StepGraphs' eager_prefill): the graphs capture Triton.
 
 It serves bfloat16 queries and caches with head_dim 128 on compute capability 9.0, with blocks of
 8 to 128 slots (a power of 2). Everything else, FP8 caches included, stays on Triton.
@@ -51,9 +54,12 @@ TILE_ROWS = 128  # query rows and keys per tile (kBlockM, kBlockN in the source)
 # Steps with fewer tokens, or no sequence this long, stay on the Triton kernel (takes()).
 MIN_TOKENS = 2048
 MIN_SEQ_LEN = 8192
-# Scattered blocks are gathered at about Triton's speed or slower, runs of consecutive ids copied
-# 1.1-1.3x as fast: a step takes the kernel once a quarter of its long sequences' tiles are such runs.
-MIN_CONSECUTIVE_SHARE = 0.25
+# Blocks of at least this many slots go by a TMA box each (kBlockBoxMinSlots in the source): a box
+# of 64 rows moves about as fast as one of 128, a box of 16 at half that speed.
+BLOCK_BOX_MIN_SLOTS = 64
+# Tiles gathered with cp.async run at about Triton's speed or slower, tiles copied by TMA 1.1-1.3x as
+# fast: a step takes the kernel once a quarter of its long sequences' tiles go by TMA.
+MIN_TMA_SHARE = 0.25
 _ERROR_BYTES = 512
 
 
@@ -133,11 +139,14 @@ def serves(dtype: torch.dtype, layout: KVCacheLayout, device: torch.device) -> b
     return _serves(dtype, layout, device) and library() is not None
 
 
-def consecutive_share(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> float:
-    """Of the whole 128-key tiles of the sequences at least MIN_SEQ_LEN long, the share whose cache
-    blocks are a run of consecutive ids, in order or not (the kernel copies those with TMA where the
-    causal mask leaves the tile whole, which is nearly every tile of a long sequence, and gathers the
-    rest). Host arrays: block_table [num_seqs, columns], seq_lens [num_seqs]."""
+def tma_share(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> float:
+    """Of the whole 128-key tiles of the sequences at least MIN_SEQ_LEN long, the share the kernel
+    copies with TMA: every tile where blocks hold at least BLOCK_BOX_MIN_SLOTS slots; with smaller
+    blocks, the tiles whose blocks are a run of consecutive ids, in order or not (copied as one box
+    where the causal mask leaves the tile whole, which is nearly every tile of a long sequence; the
+    rest are gathered). Host arrays: block_table [num_seqs, columns], seq_lens [num_seqs]."""
+    if block_size >= BLOCK_BOX_MIN_SLOTS:
+        return 1.0 if any(seq_len >= MIN_SEQ_LEN for seq_len in seq_lens) else 0.0
     blocks_per_tile = TILE_ROWS // block_size
     total = consecutive = 0
     for row, seq_len in zip(block_table, seq_lens):
@@ -152,26 +161,26 @@ def consecutive_share(block_table: np.ndarray, seq_lens: np.ndarray, block_size:
 
 def takes(num_tokens: int, max_seq_len: int, share: float | None = None) -> bool:
     """Whether a prefill step goes to the kernel (where it serves): big steps with a long sequence
-    whose blocks are at least MIN_CONSECUTIVE_SHARE consecutive (`share`, consecutive_share's;
-    None: not known, taken). Many short prompts stay on Triton, whose smaller tiles win there (H100:
-    a step of 8,192 tokens in 562-token prompts, 145 us a layer here against 101), and so do long
-    ones in scattered blocks, where the two are about even."""
-    return num_tokens >= MIN_TOKENS and max_seq_len >= MIN_SEQ_LEN and (share is None or share >= MIN_CONSECUTIVE_SHARE)
+    of which at least MIN_TMA_SHARE of the tiles go by TMA (`share`, tma_share's; None: not known,
+    taken). Many short prompts stay on Triton, whose smaller tiles win there (H100: a step of 8,192
+    tokens in 562-token prompts, 145 us a layer here against 101), and so do long ones in scattered
+    blocks of fewer than BLOCK_BOX_MIN_SLOTS slots, where the gather is at or below Triton's speed."""
+    return num_tokens >= MIN_TOKENS and max_seq_len >= MIN_SEQ_LEN and (share is None or share >= MIN_TMA_SHARE)
 
 
 def takes_step(num_tokens: int, max_seq_len: int, block_table: np.ndarray, seq_lens: np.ndarray,
                block_size: int) -> tuple[bool, float | None]:
-    """takes() for a step's host arrays, and the consecutive share it computed (None: not needed)."""
+    """takes() for a step's host arrays, and the TMA share it computed (None: not needed)."""
     if not takes(num_tokens, max_seq_len):
         return False, None
-    share = consecutive_share(block_table, seq_lens, block_size)
+    share = tma_share(block_table, seq_lens, block_size)
     return takes(num_tokens, max_seq_len, share), share
 
 
 def supports(query: torch.Tensor, layout: KVCacheLayout, metadata: AttentionMetadata) -> bool:
     """Whether this prefill step goes to the kernel. Never inside a CUDA graph capture: the steps
     it takes run eagerly (cuda_graphs.StepGraphs' eager_prefill)."""
-    return (takes(query.shape[0], metadata.max_seq_len, metadata.consecutive_share)
+    return (takes(query.shape[0], metadata.max_seq_len, metadata.tma_share)
             and _serves(query.dtype, layout, query.device) and query.stride(2) == 1
             and not torch.cuda.is_current_stream_capturing() and library() is not None)
 

@@ -82,10 +82,10 @@ class AttentionMetadata:
     # Whether the one-token sequences of a step with prefill chunks go to a decode kernel of their
     # own (False: the prefill kernel takes every sequence; step_splits_decodes()).
     split_decodes: bool = True
-    # Of the 128-key tiles of the step's long sequences, the share whose cache blocks are a run of
-    # consecutive ids, in any order (hopper_prefill.consecutive_share, computed on the host for the
-    # steps that kernel would take); None: not known.
-    consecutive_share: float | None = None
+    # Of the 128-key tiles of the step's long sequences, the share the Hopper prefill kernel copies
+    # with TMA (hopper_prefill.tma_share, computed on the host for the steps that kernel would
+    # take); None: not known.
+    tma_share: float | None = None
     # What backends derive from the step once for all its layers (derived()); a copy made with
     # dataclasses.replace starts empty.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
