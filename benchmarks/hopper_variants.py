@@ -3,7 +3,8 @@ and timed on the same batches, in interleaved rounds, since an H100's clock drif
 between back-to-back runs of one binary.
 
     python benchmarks/hopper_variants.py --cases prefill-1x16384+descending,prefill-32k \
-        --variant now=worker/attention/hopper_prefill.cu --variant old=/tmp/old.cu [--rounds 5]
+        --variant now=worker/attention/hopper_prefill.cu --variant old=/tmp/old.cu [--rounds 5] \
+        [--block-size 16] [--rep 25]
 
 A case is a tune_attention.py case with an optional +BLOCK_ORDER (scattered, ascending, descending,
 shuffled; default scattered). Each variant's line gives the median over rounds and the fastest
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--cases", default="prefill-1x16384+ascending,prefill-1x16384+descending")
     parser.add_argument("--variant", action="append", required=True, help="NAME=SOURCE.cu (repeat)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
+    parser.add_argument("--rep", type=int, default=25, help="do_bench milliseconds per timing")
     args = parser.parse_args()
     nvcc = hopper_prefill.find_nvcc()
     if nvcc is None:
@@ -56,7 +59,7 @@ def main() -> None:
         order = order or "scattered"
         if order not in BLOCK_ORDERS:
             raise SystemExit(f"block order must be one of {BLOCK_ORDERS}, got {order!r}")
-        steps = [build_step(cases, False, 257, order) for cases in CASES[case]]
+        steps = [build_step(cases, False, 257, order, args.block_size) for cases in CASES[case]]
         tflop = 4 * sum(causal_pairs(c, n) for cases in CASES[case] for c, n in cases) * HEAD_DIM * HEADS / 1e12
 
         def run(lib, steps=steps):
@@ -76,7 +79,7 @@ def main() -> None:
         times = {name: [] for name in libs}
         for _ in range(args.rounds):
             for name, lib in libs.items():
-                times[name].append(do_bench(lambda lib=lib: run(lib), warmup=5, rep=25, return_mode="median"))
+                times[name].append(do_bench(lambda lib=lib: run(lib), warmup=5, rep=args.rep, return_mode="median"))
         cells = []
         for name, ms in times.items():
             median = statistics.median(ms)
@@ -87,7 +90,7 @@ def main() -> None:
                           warmup=5, rep=25, return_mode="median")
         hopper_prefill.ENABLED = True
         cells.append(f"triton {triton * 1000:.0f} us {tflop / triton * 1000:.0f} TF")
-        print(f"{case} {order}: " + " | ".join(cells))
+        print(f"{case} {order} bs{args.block_size}: " + " | ".join(cells))
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def causal_pairs(context: int, query: int) -> int:
     return query * context + query * (query + 1) // 2
 
 
-def build_step(cases, fp8: bool, graph_seqs: int = 0, block_order: str = "scattered"):
+def build_step(cases, fp8: bool, graph_seqs: int = 0, block_order: str = "scattered", block_size: int = BLOCK_SIZE):
     """A step of `cases`, padded with empty sequences as the engine's graph for it would be (a mixed
     graph's graph_seqs, or a few-sequence graph's FEW_SEQS + 1, without the decode kernel; graph_seqs
     0: no padding, as an eager step)."""
@@ -93,7 +93,7 @@ def build_step(cases, fp8: bool, graph_seqs: int = 0, block_order: str = "scatte
     few = not step_splits_decodes(num_real, sum(n for _, n in cases), max_query_len)
     pad_to = 0 if not graph_seqs or max_query_len == 1 else FEW_SEQS + 1 if few else graph_seqs
     cases = cases + [(0, 0)] * max(0, pad_to - num_real)
-    q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, seed=0,
+    q, k, v, plain_cache, md = make_batch(cases, HEADS, KV_HEADS, HEAD_DIM, block_size, torch.bfloat16, seed=0,
                                           block_order=block_order)
     if len(cases) > num_real:  # the sequences before the padding, as a graph's buffers say
         md = dataclasses.replace(md, num_active_seqs=torch.tensor([num_real], dtype=torch.int32, device="cuda"))
@@ -101,9 +101,9 @@ def build_step(cases, fp8: bool, graph_seqs: int = 0, block_order: str = "scatte
     if not fp8:
         store_kv(k, v, plain_cache, md.slot_mapping)
         return q, plain_cache, md, k, v
-    layout = KVCacheLayout(BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.bfloat16, fp8=True)
+    layout = KVCacheLayout(block_size, KV_HEADS, HEAD_DIM, torch.bfloat16, fp8=True)
     cache = layout.allocate(plain_cache.shape[1], q.device)
-    num_slots = plain_cache.shape[1] * BLOCK_SIZE
+    num_slots = plain_cache.shape[1] * block_size
     every_slot = torch.arange(num_slots, device=q.device)
     flat = plain_cache.view(2, num_slots, KV_HEADS, HEAD_DIM)
     store_kv(flat[0], flat[1], cache, every_slot, layout)  # the same K/V, quantized
@@ -131,6 +131,7 @@ def main() -> None:
                         help="how each sequence's cache blocks lie: scattered at random (as after a while of serving), "
                              "consecutive ids ascending (a fresh engine) or descending (a recycled pool), or shuffled "
                              "within each 128-key tile")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per cache block")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time each shape replayed in a CUDA graph, as the engine runs it (for short steps, "
                              "whose kernels take a few microseconds: no launch overhead in the figure)")
@@ -143,12 +144,12 @@ def main() -> None:
         baseline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(baseline)
     for name in args.cases.split(","):
-        steps = [build_step(cases, args.fp8, args.graph_seqs, args.block_order) for cases in CASES[name]]
+        steps = [build_step(cases, args.fp8, args.graph_seqs, args.block_order, args.block_size) for cases in CASES[name]]
         decode = steps[0][2].max_query_len == 1
         layout = steps[0][2].layout(steps[0][1])
         if decode:
             live = sum(c + 1 for c, _ in CASES[name][0])
-            work, unit = live * KV_HEADS * 2 * (layout.block_bytes // (BLOCK_SIZE * KV_HEADS)) / 1e12, "TB/s"
+            work, unit = live * KV_HEADS * 2 * (layout.block_bytes // (args.block_size * KV_HEADS)) / 1e12, "TB/s"
         else:
             pairs = sum(causal_pairs(c, n) for cases in CASES[name] for c, n in cases)
             work, unit = 4 * pairs * HEAD_DIM * HEADS / 1e12, "TFLOP/s"
