@@ -12,7 +12,7 @@
 //     registers: the accumulator layout of S is the register layout of wgmma's A operand). Tile
 //     t's scores are computed while tile t - 1's values are accumulated, and the two warpgroups
 //     take turns at the tensor cores (named barriers), so one's softmax runs during the other's
-//     products.
+//     products. O is rescaled only when a row's running maximum grows by a factor over 2^8.
 // The producer gives registers to the consumers (setmaxnreg), which hold S, O and P at once.
 // Shared memory is laid out as TMA writes it with its 128-byte swizzle (the gather writes the
 // same), which is the layout wgmma's descriptors name: Q and K are read K-major, V MN-major
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // The online softmax of tile t's scores, in place (s becomes P, unnormalized); returns the rows'
   // rescale factors for what was accumulated before.
-  auto softmax = [&](int t, float& alpha0, float& alpha1) {
+  auto softmax = [&](int t, float& alpha0, float& alpha1) -> bool {
     if (t >= num_unmasked) {  // the causal diagonal: a key after the query's position is hidden
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -452,22 +452,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     // A row that has seen no key yet (a position before 0: padding) keeps weights of 0, not NaN.
     new_max0 = new_max0 == -INFINITY ? 0.f : new_max0;
     new_max1 = new_max1 == -INFINITY ? 0.f : new_max1;
-    alpha0 = fast_exp2(max0 - new_max0);
-    alpha1 = fast_exp2(max1 - new_max1);
-    max0 = new_max0;
-    max1 = new_max1;
+    // O is rescaled (64 multiplies) only once a row's maximum has grown by more than 8 (in log2
+    // units), decided per warp: below that the stale maximum leaves weights of at most 2^8, well
+    // within bf16 and float, and the final division by the sum is the same either way.
+    const bool rescale = __any_sync(0xffffffff, new_max0 > max0 + 8.f || new_max1 > max1 + 8.f);
+    alpha0 = alpha1 = 1.f;
+    if (rescale) {
+      alpha0 = fast_exp2(max0 - new_max0);
+      alpha1 = fast_exp2(max1 - new_max1);
+      max0 = new_max0;
+      max1 = new_max1;
+    }
     float tile_sum0 = 0.f, tile_sum1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      s[4 * j] = fast_exp2(fmaf(s[4 * j], p.scale_log2, -new_max0));
-      s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], p.scale_log2, -new_max0));
-      s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], p.scale_log2, -new_max1));
-      s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], p.scale_log2, -new_max1));
+      s[4 * j] = fast_exp2(fmaf(s[4 * j], p.scale_log2, -max0));
+      s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], p.scale_log2, -max0));
+      s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], p.scale_log2, -max1));
+      s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], p.scale_log2, -max1));
       tile_sum0 += s[4 * j] + s[4 * j + 1];
       tile_sum1 += s[4 * j + 2] + s[4 * j + 3];
     }
     sum0 = sum0 * alpha0 + tile_sum0;
     sum1 = sum1 * alpha1 + tile_sum1;
+    return rescale;
   };
   auto to_probs = [&]() {
 #pragma unroll
@@ -507,17 +515,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<1>();
     fence_registers(s);
     release(k_empty(stage));
-    softmax(t, alpha0, alpha1);
+    const bool rescale = softmax(t, alpha0, alpha1);
     wgmma_wait<0>();
     fence_registers(o);
     fence_registers(probs);
     release(v_empty(previous));
+    if (rescale) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      o[4 * j] *= alpha0;
-      o[4 * j + 1] *= alpha0;
-      o[4 * j + 2] *= alpha1;
-      o[4 * j + 3] *= alpha1;
+      for (int j = 0; j < 16; ++j) {
+        o[4 * j] *= alpha0;
+        o[4 * j + 1] *= alpha0;
+        o[4 * j + 2] *= alpha1;
+        o[4 * j + 3] *= alpha1;
+      }
     }
     to_probs();
   }
