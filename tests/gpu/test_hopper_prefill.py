@@ -167,7 +167,7 @@ def test_refuses_what_it_does_not_serve() -> None:
     assert not hopper_prefill.supports(q[: hopper_prefill.MIN_TOKENS - 1], layout, metadata)
     assert not hopper_prefill.supports(q, layout, dataclasses.replace(metadata, max_seq_len=hopper_prefill.MIN_SEQ_LEN - 1))
     scattered = dataclasses.replace(metadata, tma_share=hopper_prefill.MIN_TMA_SHARE / 2)
-    assert not hopper_prefill.supports(q, layout, scattered)  # about even with Triton there
+    assert not hopper_prefill.supports(q, layout, scattered)  # the gather: at or below Triton's speed
     assert not hopper_prefill.supports(q.float(), layout, metadata)
     assert not hopper_prefill.supports(q, dataclasses.replace(layout, block_size=7), metadata)
     assert not hopper_prefill.supports(q, dataclasses.replace(layout, head_dim=64), metadata)
