@@ -428,8 +428,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
   };
-  // The online softmax of tile t's scores, in place (s becomes P, unnormalized); returns the rows'
-  // rescale factors for what was accumulated before.
+  // The online softmax of tile t's scores, in place (s becomes P, unnormalized): sets the rows'
+  // rescale factors for what was accumulated before, and returns whether O needs them.
   auto softmax = [&](int t, float& alpha0, float& alpha1) -> bool {
     if (t >= num_unmasked) {  // the causal diagonal: a key after the query's position is hidden
 #pragma unroll

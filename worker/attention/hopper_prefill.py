@@ -14,7 +14,7 @@ It takes prefill steps of at least MIN_TOKENS tokens with a sequence of at least
 layer at 16k-32k) when each tile's blocks are a run of consecutive ids: ascending, as a fresh
 engine hands them out, or descending, as a pool that has served a while does. A busy server's pool
 scatters a long prompt's blocks: with blocks of 16 such steps stay on Triton (the gather is no
-faster); with blocks of 64 (`block_size=64`) every tile goes by TMA, 1.2x as fast as Triton. Many
+faster); with blocks of 64 (`block_size=64`) every tile goes by TMA, 1.1-1.2x as fast as Triton. Many
 short prompts stay on Triton, whose smaller tiles win there. Those steps run eagerly
 (cuda_graphs.StepGraphs' eager_prefill): the graphs capture Triton.
 
