@@ -64,8 +64,8 @@ def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int, kv
                 filler = {"prompt_token_ids": torch.randint(0, 32000, (max(input_lens),), generator=gen).tolist()}
                 llm.generate(filler, first, use_tqdm=False)
             if busy_pool:
-                share = num_gpu_blocks * block_size // BUSY_REQUESTS - block_size
-                lengths = torch.randint(share * 4 // 5, share, (BUSY_REQUESTS,), generator=gen).tolist()
+                tokens_each = num_gpu_blocks * block_size // BUSY_REQUESTS - block_size  # all of them fit at once
+                lengths = torch.randint(tokens_each * 4 // 5, tokens_each, (BUSY_REQUESTS,), generator=gen).tolist()
                 llm.generate([{"prompt_token_ids": [1 + i] * 4} for i in range(BUSY_REQUESTS)],
                              [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
                              use_tqdm=False)
