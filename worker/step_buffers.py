@@ -93,7 +93,7 @@ class StepBuffers:
         # Set by the model runner where the Hopper prefill kernel serves the model
         # (hopper_prefill.serves): then a long prefill step's block layout is looked at.
         self.hopper_prefill = False
-        self._share_of: tuple[StepInputs | None, float | None] = (None, None)
+        self._routing_of: tuple[StepInputs | None, tuple[bool, float | None]] = (None, (False, None))
         # A sampling graph's rows (row i of a decode step is its sequence i) and its output.
         self.sample_rows = torch.arange(self.max_seqs, device=device)
         self.sampled = torch.zeros(self.max_seqs, dtype=torch.int64, device=device)
@@ -207,22 +207,24 @@ class StepBuffers:
         metadata.tma_share = self.tma_share(step)
         return metadata
 
-    def tma_share(self, step: StepInputs) -> float | None:
-        """The step's hopper_prefill.tma_share where that kernel serves the model and the
-        step is one it could take (None otherwise), computed once per step: the graphs' bucket
-        and an eager step's metadata both ask."""
+    def _hopper_routing(self, step: StepInputs) -> tuple[bool, float | None]:
+        """hopper_prefill.takes_step for the step where that kernel serves the model ((False, None)
+        elsewhere), computed once per step: the graphs' bucket and an eager step's metadata both ask."""
         if not self.hopper_prefill:
-            return None
-        if self._share_of[0] is not step:
-            share = hopper_prefill.takes_step(step.num_tokens, step.max_seq_len, step.block_table, step.seq_lens,
-                                              self.kv_layout.block_size)[1]
-            self._share_of = (step, share)
-        return self._share_of[1]
+            return False, None
+        if self._routing_of[0] is not step:
+            self._routing_of = (step, hopper_prefill.takes_step(step.num_tokens, step.max_seq_len, step.block_table,
+                                                                step.seq_lens, self.kv_layout.block_size))
+        return self._routing_of[1]
+
+    def tma_share(self, step: StepInputs) -> float | None:
+        """The step's hopper_prefill.tma_share where that kernel serves the model and the step is one
+        it could take (None otherwise)."""
+        return self._hopper_routing(step)[1]
 
     def takes_hopper_prefill(self, step: StepInputs) -> bool:
         """Whether the step's attention goes to the Hopper prefill kernel (StepGraphs' eager_prefill)."""
-        share = self.tma_share(step)
-        return share is not None and hopper_prefill.takes(step.num_tokens, step.max_seq_len, share)
+        return self._hopper_routing(step)[0]
 
     def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
                  split_decodes: bool = True) -> AttentionMetadata:

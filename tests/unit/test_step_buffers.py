@@ -95,8 +95,8 @@ def test_loads_of_different_layouts_in_turn_each_read_what_they_wrote() -> None:
         assert buffers.forward_inputs[1].tolist() == [i, i + 1, 1, 2]
 
 
-def test_long_prefill_steps_share_of_consecutive_blocks_is_computed_once(monkeypatch) -> None:
-    """Where the Hopper prefill kernel serves, a long prefill step's consecutive-block share is
+def test_long_prefill_steps_tma_share_is_computed_once(monkeypatch) -> None:
+    """Where the Hopper prefill kernel serves, a long prefill step's TMA share (hopper_prefill.tma_share) is
     computed once (the graphs' bucket asks, then the eager step's metadata), and the step is taken
     by that kernel as hopper_prefill.takes_step says; elsewhere nothing is computed."""
     from minivllm.worker.attention import hopper_prefill
