@@ -207,14 +207,15 @@ def main() -> None:
 
         what = f"{n} tokens in {num_prompts} prompt(s)"
         print(f"  prefill forward, {what}, eager: {cuda_time_ms(eager_prefill, 5):.2f} ms")
-        if runner.graphs is not None:
+        graphed = runner.graphs is not None and runner.graphs.run(pre) is not None
+        if graphed:
             print(f"  prefill forward, {what}, graph: {cuda_time_ms(lambda: runner.graphs.run(pre), 5):.2f} ms")
 
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            if args.profile_prefill and runner.graphs is not None:  # as the engine runs it: padded
+            if args.profile_prefill and graphed:  # as the engine runs it: padded
                 runner.graphs.run(pre)
             elif args.profile_prefill:
                 eager_prefill()
@@ -222,7 +223,7 @@ def main() -> None:
                 runner.execute_model(decode_output())
                 computed = [c + 1 for c in computed]
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":

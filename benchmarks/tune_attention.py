@@ -55,6 +55,10 @@ CASES = {
     "prefill-1x4096": [[(0, 4096)]],
     "prefill-1x8192": [[(0, 8192)]],
     "prefill-32k": [[(c, 8192)] for c in (0, 8192, 16384, 24576)],
+    # its chunks after the first, one at a time: each reads the cached prefix before it
+    "prefill-8192-after-8k": [[(8192, 8192)]],
+    "prefill-8192-after-16k": [[(16384, 8192)]],
+    "prefill-8192-after-24k": [[(24576, 8192)]],
     "prefill-1x16384": [[(0, 16384)]],
     # short prompts, as a first token at batch 1 (or a few) runs them
     "prefill-1x128": [[(0, 128)]],
