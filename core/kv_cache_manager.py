@@ -16,6 +16,8 @@ def cdiv(a: int, b: int) -> int:
 
 # Requests whose block hashes a new one may take over where their tokens agree (_get_block_hashes).
 MAX_HASH_DONORS = 16
+# Blocks a prefix-cache lookup hashes before its first check; each later run is twice the last.
+LOOKUP_HASH_RUN = 16
 
 
 class KVCacheManager:
@@ -53,12 +55,25 @@ class KVCacheManager:
         assert request.num_computed_tokens == 0, "only requests that hold no blocks look up the cache"
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         computed_blocks: list[KVCacheBlock] = []
-        for block_hash in self._get_block_hashes(request)[:max_num_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break  # the chain breaks here: later blocks hash a prefix nobody computed
-            computed_blocks.append(block)
+        # Blocks are hashed only as far as the lookup goes, in growing runs: the first miss ends the
+        # chain, and the blocks after it are hashed when they are registered, chunk by chunk (a
+        # fresh 32k-token prompt hashes its first chunk's blocks before its first step, not all).
+        num_looked_up, run = 0, LOOKUP_HASH_RUN
+        while num_looked_up < max_num_blocks:
+            end = min(num_looked_up + run, max_num_blocks)
+            for block_hash in self._get_block_hashes(request, end)[num_looked_up:end]:
+                block = self.block_pool.get_cached_block(block_hash)
+                if block is None:  # the chain breaks here: later blocks hash a prefix nobody computed
+                    return computed_blocks, len(computed_blocks) * self.block_size
+                computed_blocks.append(block)
+            num_looked_up, run = end, 2 * run
         return computed_blocks, len(computed_blocks) * self.block_size
+
+    def hash_full_blocks(self, request: Request) -> None:
+        """With prefix caching, hash all the request's full blocks now (request.block_hashes): a KV
+        connector looks them up past the prefix cache's hits."""
+        if self.enable_caching:
+            self._get_block_hashes(request)
 
     def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's first lookup (the scheduler calls it once the request is admitted,
@@ -73,8 +88,9 @@ class KVCacheManager:
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         return True
 
-    def _get_block_hashes(self, request: Request) -> list[BlockHash]:
-        """The request's full-block hashes, extended to cover all its known tokens.
+    def _get_block_hashes(self, request: Request, num_blocks: int | None = None) -> list[BlockHash]:
+        """The request's full-block hashes, extended to cover its first `num_blocks` blocks (all
+        its full blocks by default; it may hold more already).
 
         A request hashing its first blocks takes over, for the blocks whose tokens equal theirs, the
         hashes of the latest request that began with the same block and salt (a chat's next turn
@@ -83,12 +99,13 @@ class KVCacheManager:
         1,024 blocks, 0.8 ms on the 2-core CPU box)."""
         hashes = request.block_hashes
         num_full_blocks = request.num_tokens // self.block_size
+        if not hashes and num_full_blocks:  # as far as the donor's tokens agree, however far that is
+            hashes.extend(self._donated_hashes(request, num_full_blocks))
+        if num_blocks is not None:
+            num_full_blocks = min(num_full_blocks, num_blocks)
         if len(hashes) < num_full_blocks:
-            all_token_ids = request.all_token_ids
-            if not hashes:
-                hashes.extend(self._donated_hashes(request, all_token_ids, num_full_blocks))
             first = len(hashes)
-            token_ids = all_token_ids[first * self.block_size : num_full_blocks * self.block_size]
+            token_ids = request.token_ids_between(first * self.block_size, num_full_blocks * self.block_size)
             hashes.extend(
                 hash_request_blocks(
                     token_ids,
@@ -100,27 +117,31 @@ class KVCacheManager:
             )
         return hashes
 
-    def _donated_hashes(self, request: Request, token_ids: list[int], num_full_blocks: int) -> list[BlockHash]:
+    def _donated_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """The leading block hashes of the latest request that began as `request` does (same first
         block, same salt), as far as their tokens agree; and `request` becomes that donor."""
-        key = (request.cache_salt, tuple(token_ids[: self.block_size]))
+        key = (request.cache_salt, tuple(request.token_ids_between(0, self.block_size)))
         donor = self._hash_donors.pop(key, None)
         self._hash_donors[key] = request
         if len(self._hash_donors) > MAX_HASH_DONORS:
             self._hash_donors.popitem(last=False)
         if donor is None or donor is request:
             return []
-        donor_token_ids = donor.all_token_ids
         block = self.block_size
         # Whole blocks agree up to `low` (the first, by the key); find the last that does.
-        low, high = 1, min(num_full_blocks, len(donor.block_hashes), len(donor_token_ids) // block)
+        low, high = 1, min(num_full_blocks, len(donor.block_hashes), donor.num_tokens // block)
         if high < 1:
             return []
-        if token_ids[: high * block] == donor_token_ids[: high * block]:
+
+        def agree(num_blocks: int) -> bool:
+            end = num_blocks * block
+            return request.token_ids_between(0, end) == donor.token_ids_between(0, end)
+
+        if agree(high):
             low = high
         while low < high:  # the first `low` blocks agree, and no more than `high` do
             mid = (low + high + 1) // 2
-            if token_ids[: mid * block] == donor_token_ids[: mid * block]:
+            if agree(mid):
                 low = mid
             else:
                 high = mid - 1
@@ -193,7 +214,7 @@ class KVCacheManager:
         num_cached_blocks = self.num_cached_blocks.get(request.request_id, 0)
         if num_full_blocks <= num_cached_blocks:
             return
-        block_hashes = self._get_block_hashes(request)
+        block_hashes = self._get_block_hashes(request, num_full_blocks)
         self.block_pool.cache_full_blocks(
             blocks[num_cached_blocks:num_full_blocks], block_hashes[num_cached_blocks:num_full_blocks]
         )

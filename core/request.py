@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from minivllm.protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
+from minivllm.protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreRequest, pack_token_ids
 from minivllm.protocol.sampling_params import SamplingParams
 
 
@@ -49,6 +49,7 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        self._packed_prompt_token_ids: bytes | None = None
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = list(eos_token_ids or [])
@@ -102,6 +103,13 @@ class Request:
         )
 
     @property
+    def packed_prompt_token_ids(self) -> bytes:
+        """The prompt as the worker takes it (pack_token_ids), packed once."""
+        if self._packed_prompt_token_ids is None:
+            self._packed_prompt_token_ids = pack_token_ids(self.prompt_token_ids)
+        return self._packed_prompt_token_ids
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -116,6 +124,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end], without copying the rest."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
 
     @property
     def is_finished(self) -> bool:

@@ -459,6 +459,7 @@ class Scheduler:
             else:
                 computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self.connector is not None and request.sampling_params.prompt_logprobs is None:
+                    self.kv_cache_manager.hash_full_blocks(request)
                     num_external_tokens, load_async = self.connector.get_num_new_matched_tokens(
                         request, num_cached_tokens)
                     # The last known token is computed here, for its logits; unless an asynchronous
@@ -512,7 +513,7 @@ class Scheduler:
             scheduled_new_reqs=[
                 NewRequestData(
                     req_id=request.request_id,
-                    prompt_token_ids=list(request.prompt_token_ids),
+                    prompt_token_ids=request.packed_prompt_token_ids,
                     output_token_ids=list(request.output_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),

@@ -10,6 +10,9 @@ Messages of one direction form a tagged union, so one Decoder reads them all.
 
 from __future__ import annotations
 
+import array
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -192,12 +195,35 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
 # ---------------------------------------------------------------- EngineCore -> workers
 
+assert array.array("i").itemsize == 4
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32 bytes: one msgpack bin on the wire, where a list is an
+    array of ints that the receiver turns back into one object per token (a 32k-token prompt: ~0.5
+    ms to decode, and as much again to copy into numpy; packed, numpy reads it in place)."""
+    packed = array.array("i", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """pack_token_ids' inverse."""
+    unpacked = array.array("i")
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
 
 class NewRequestData(msgspec.Struct, kw_only=True):
     """A request the worker has not seen (or lost when it was preempted): sent in full."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    # Packed (pack_token_ids; numpy.frombuffer(..., "<i4") reads them). A list given here is packed.
+    prompt_token_ids: bytes
     # Tokens generated before a preemption; empty for a fresh request.
     output_token_ids: list[int]
     sampling_params: SamplingParams
@@ -205,6 +231,14 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     num_computed_tokens: int
     # The model's EOS ids, which min_tokens keeps the sampler from picking too early.
     eos_token_ids: list[int] = []
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_token_ids, bytes):
+            self.prompt_token_ids = pack_token_ids(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids) // 4
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

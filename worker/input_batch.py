@@ -127,10 +127,12 @@ class InputBatch:
         row = self.free_rows.pop()
         self.row_of[new.req_id] = row
         self._last_ids = None
-        tokens = new.prompt_token_ids + new.output_token_ids
-        self.token_ids[row, : len(tokens)] = tokens
-        self.num_tokens[row] = len(tokens)
-        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        prompt = np.frombuffer(new.prompt_token_ids, dtype="<i4")
+        num_tokens = len(prompt) + len(new.output_token_ids)
+        self.token_ids[row, : len(prompt)] = prompt
+        self.token_ids[row, len(prompt) : num_tokens] = new.output_token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = len(prompt)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.pending[row] = -1
         self.num_blocks[row] = 0

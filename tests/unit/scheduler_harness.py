@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.config import EngineConfig
-from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, unpack_token_ids
 from minivllm.protocol.sampling_params import SamplingParams
 
 EOS = 2
@@ -118,7 +118,7 @@ class FakeWorker:
             assert new.req_id not in self.states, f"{new.req_id} sent in full twice"
             self.new_reqs_seen.append(new)
             self.states[new.req_id] = WorkerRequestState(
-                token_ids=new.prompt_token_ids + new.output_token_ids,
+                token_ids=unpack_token_ids(new.prompt_token_ids) + new.output_token_ids,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )

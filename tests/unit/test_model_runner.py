@@ -248,7 +248,7 @@ def test_seeded_sampling_is_batch_independent(tiny_llama) -> None:
             reqs.append(NewRequestData(req_id="n", prompt_token_ids=[9, 9], output_token_ids=[],
                                        sampling_params=SamplingParams(temperature=1.0), block_ids=[1],
                                        num_computed_tokens=0))
-        num = {r.req_id: len(r.prompt_token_ids) for r in reqs}
+        num = {r.req_id: r.num_prompt_tokens for r in reqs}
         out = runner.execute_model(SchedulerOutput(
             scheduled_new_reqs=reqs, scheduled_cached_reqs=[], num_scheduled_tokens=num,
             total_num_scheduled_tokens=sum(num.values()), finished_req_ids=[]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, unpack_token_ids
 
 from tests.unit.scheduler_harness import check_invariants, make_request, make_scheduler
 
@@ -24,8 +24,8 @@ class NonSamplingStage:
         for req_id in out.finished_req_ids + out.preempted_req_ids:
             self.tokens.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            self.tokens[new.req_id] = new.prompt_token_ids + new.output_token_ids
-            self.num_prompt[new.req_id] = len(new.prompt_token_ids)
+            self.tokens[new.req_id] = unpack_token_ids(new.prompt_token_ids) + new.output_token_ids
+            self.num_prompt[new.req_id] = new.num_prompt_tokens
         for cached in out.scheduled_cached_reqs:  # as worker/pipeline.py apply_new_token_ids
             known = self.tokens[cached.req_id]
             start = max(cached.num_computed_tokens, self.num_prompt[cached.req_id])

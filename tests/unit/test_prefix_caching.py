@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from minivllm.core.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
-from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_manager import LOOKUP_HASH_RUN, KVCacheManager
 from minivllm.core.request import Request
 from minivllm.protocol.sampling_params import SamplingParams
 from tests.unit.scheduler_harness import default_token, make_request, make_scheduler, run_to_completion, step
@@ -78,6 +78,32 @@ def test_request_block_hashes_extend_as_outputs_fill_blocks() -> None:
     request.output_token_ids += [1, 2]  # 8 tokens: block 1 is full now
     manager.allocate_slots(request, 2)
     assert request.block_hashes == hash_request_blocks(list(range(100, 106)) + [1, 2], 4)
+    manager.free(request)
+
+
+def test_a_long_prompt_hashes_only_as_far_as_the_lookup_and_its_scheduled_chunks_go() -> None:
+    # 600 full blocks of 4: a miss at the first block hashes one run; each chunk then hashes its
+    # own blocks when they are registered, and together they equal hashing the whole prompt.
+    prompt = list(range(1000, 3401))
+    manager = KVCacheManager(BLOCK_SIZE, 700, enable_caching=True)
+    request = make_req("a", prompt)
+    assert manager.get_computed_blocks(request) == ([], 0)
+    assert len(request.block_hashes) == LOOKUP_HASH_RUN
+    for chunk in range(1, 4):
+        manager.allocate_slots(request, 800)
+        request.num_computed_tokens += 800
+        assert len(request.block_hashes) == 200 * chunk
+    assert request.block_hashes == hash_request_blocks(prompt, BLOCK_SIZE)
+    # A later request with the first 150 blocks in common hits them all, looking up in growing
+    # runs (16, 32, 64, 128 blocks) and hashing no further than the run that missed.
+    later = make_req("b", prompt[:600] + [7] * 1000)
+    manager._hash_donors.clear()  # (none taken over from "a": the lookup hashes them)
+    blocks, num_hit_tokens = manager.get_computed_blocks(later)
+    assert num_hit_tokens == 600 and [b.block_id for b in blocks] == manager.get_block_ids("a")[:150]
+    assert len(later.block_hashes) == 16 + 32 + 64 + 128
+    # A KV connector looks past the hits: hash_full_blocks covers the whole prompt.
+    manager.hash_full_blocks(later)
+    assert later.block_hashes == hash_request_blocks(later.all_token_ids, BLOCK_SIZE)
     manager.free(request)
 
 

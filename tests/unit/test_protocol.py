@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import msgspec
+import numpy as np
 import pytest
 
 from minivllm.protocol.config import EngineConfig
@@ -23,6 +24,8 @@ from minivllm.protocol.messages import (
     UtilityCall,
     WorkerCall,
     WorkerReply,
+    pack_token_ids,
+    unpack_token_ids,
 )
 from minivllm.protocol.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.protocol.serial import (
@@ -74,6 +77,19 @@ def test_core_imports_no_torch() -> None:
 )
 def test_messages_round_trip(message, decoder) -> None:
     assert decoder.decode(encode(message)) == message
+
+
+def test_new_requests_carry_their_prompt_packed() -> None:
+    ids = [0, 1, 151_935, 2**31 - 1, 7] * 1000
+    new = NewRequestData(req_id="a", prompt_token_ids=ids, output_token_ids=[9], sampling_params=SamplingParams(),
+                         block_ids=[3], num_computed_tokens=0)
+    assert isinstance(new.prompt_token_ids, bytes) and new.num_prompt_tokens == len(ids)
+    assert new.prompt_token_ids == pack_token_ids(ids) and unpack_token_ids(new.prompt_token_ids) == ids
+    wire = encode(SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=[], num_scheduled_tokens={"a": 1},
+                                  total_num_scheduled_tokens=1, finished_req_ids=[]))
+    assert pack_token_ids(ids) in wire  # one bin, not an array of ints of up to 5 bytes each
+    received = worker_input_decoder.decode(wire).scheduled_new_reqs[0]
+    assert np.array_equal(np.frombuffer(received.prompt_token_ids, dtype="<i4"), ids)
 
 
 def test_malformed_message_is_rejected_by_the_decoder() -> None:

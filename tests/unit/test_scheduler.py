@@ -10,7 +10,14 @@ from collections.abc import Callable
 import pytest
 
 from minivllm.core.request import RequestStatus
-from minivllm.protocol.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.messages import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    unpack_token_ids,
+)
 from tests.unit.scheduler_harness import (
     EOS,
     assert_no_leak,
@@ -385,7 +392,7 @@ def test_preemption_frees_the_latest_request_and_it_resumes_with_its_outputs() -
     resumed = [n for n in worker.new_reqs_seen if n.req_id == "b"][-1]
     assert resumed.output_token_ids == [b_first_token]
     assert resumed.num_computed_tokens == 0
-    assert resumed.prompt_token_ids == b_prompt
+    assert unpack_token_ids(resumed.prompt_token_ids) == b_prompt
     resumed_out = next(o for o in run.scheduler_outputs if any(n.req_id == "b" for n in o.scheduled_new_reqs))
     assert resumed_out.num_scheduled_tokens["b"] == 5  # prompt + the output token, recomputed
     assert len(run.tokens("b")) == 2  # plus the one before preemption = 3
@@ -469,7 +476,7 @@ def test_tiny_block_pool_completes_every_request_with_preemptions(
         sent = [n for n in worker.new_reqs_seen if n.req_id == req_id]
         assert len(sent) == 1 + preempted.count(req_id)
         for n in sent:
-            num_known = len(n.prompt_token_ids) + len(n.output_token_ids)
+            num_known = n.num_prompt_tokens + len(n.output_token_ids)
             if enable_prefix_caching:
                 assert n.num_computed_tokens % block_size == 0 and n.num_computed_tokens < num_known
             else:
@@ -552,7 +559,7 @@ def test_v0_steps_are_all_whole_prompt_prefills_or_all_decodes() -> None:
         if out.scheduled_new_reqs:
             assert out.scheduled_cached_reqs == [], "a v0 prefill step runs no decodes"
             for new in out.scheduled_new_reqs:  # whole prompt (and outputs, if resumed) at once
-                num_known = len(new.prompt_token_ids) + len(new.output_token_ids)
+                num_known = new.num_prompt_tokens + len(new.output_token_ids)
                 assert new.num_computed_tokens + out.num_scheduled_tokens[new.req_id] == num_known
             kinds.append("prefill")
         else:

@@ -15,7 +15,7 @@ import pytest
 
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.config import SpeculativeConfig
-from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput
+from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, unpack_token_ids
 from tests.unit.scheduler_harness import (
     EOS,
     WorkerRequestState,
@@ -64,7 +64,7 @@ class SpecFakeWorker:
         for req_id in out.finished_req_ids + out.preempted_req_ids:
             self.states.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            self.states[new.req_id] = WorkerRequestState(new.prompt_token_ids + new.output_token_ids,
+            self.states[new.req_id] = WorkerRequestState(unpack_token_ids(new.prompt_token_ids) + new.output_token_ids,
                                                          list(new.block_ids), new.num_computed_tokens)
         for cached in out.scheduled_cached_reqs:
             state = self.states[cached.req_id]
