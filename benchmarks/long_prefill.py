@@ -1,7 +1,7 @@
 """Time to first token for one long prompt, against an HF forward with SDPA on the same shape (GPU).
 
     python benchmarks/long_prefill.py --model benchmarks/configs/qwen3-0.6b --input-lens 16384,32000 \
-        --budgets 8192,32768 [--recycled-blocks | --busy-pool] [--block-size 16] [--json FILE]
+        --budgets 8192,32768 [--recycled-blocks | --busy-pool] [--block-size 16] [--fresh-prompts] [--json FILE]
 
 For each budget (max_num_batched_tokens) one engine serves the prompt of each length (dummy bf16
 weights, greedy, one output token, prefix cache reset before each run; median of --iters). The HF
@@ -40,7 +40,7 @@ def prefill_flops(shape, vocab_hidden: int, num_tokens: int) -> float:
 
 def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int, kv_cache_dtype: str = "auto",
                   recycled_blocks: bool = False, busy_pool: bool = False,
-                  block_size: int = 16) -> dict[int, list[float]]:
+                  block_size: int = 16, fresh_prompts: bool = False) -> dict[int, list[float]]:
     from minivllm import LLM, SamplingParams
 
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -78,6 +78,8 @@ def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int, kv
             for _ in range(iters):
                 if busy_pool:
                     fill()
+                if fresh_prompts:
+                    prompt = {"prompt_token_ids": torch.randint(0, 32000, (n,), generator=gen).tolist()}
                 llm.reset_prefix_cache()
                 start = time.perf_counter()
                 llm.generate(prompt, first, use_tqdm=False)
@@ -126,6 +128,9 @@ def main() -> None:
                         help="a pool just over the longest prompt, through which 64 decoding requests ran before each "
                              "timed prompt: its blocks come scattered, as in a busy server")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--fresh-prompts", action="store_true",
+                        help="a new random prompt each timed run, as a new document is: by default each length's one "
+                             "prompt repeats, so the engine takes its block hashes over from the run before")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.recycled_blocks and args.busy_pool:
@@ -139,9 +144,10 @@ def main() -> None:
     rows = []
     cache = ("" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype}") + (
         ", recycled" if args.recycled_blocks else "") + (", busy" if args.busy_pool else "") + (
-        f", blocks of {args.block_size}" if args.block_size != 16 else "")
+        f", blocks of {args.block_size}" if args.block_size != 16 else "") + (", fresh" if args.fresh_prompts else "")
     runs = {f"minivllm, budget {b}{cache}": time_minivllm(args.model, input_lens, int(b), args.iters, args.kv_cache_dtype,
-                                                                args.recycled_blocks, args.busy_pool, args.block_size)
+                                                                args.recycled_blocks, args.busy_pool, args.block_size,
+                                                                args.fresh_prompts)
             for b in args.budgets.split(",")}
     if not args.no_hf:
         runs["HF forward, SDPA"] = time_hf(args.model, input_lens, args.iters)
