@@ -81,7 +81,7 @@ class LLM:
             self.client = EngineCoreClient.attach(engine_address, engine_key=engine_key)
         else:
             # The engine processes only see HF directories: fetch / convert here, in the frontend.
-            config = EngineConfig.create(resolve_model(model), **engine_args)
+            config = EngineConfig.create(resolve_model(model), **{"usage_context": "LLM_CLASS", **engine_args})
             self.client = EngineCoreClient.spawn(config)
         # Stop the engine when this object is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.client.shutdown)

@@ -50,7 +50,8 @@ def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
                         engine_key=resolve_engine_key(key_file=args.engine_key_file))
     from minivllm.frontend.server.args import resolve_kv_transfer_config
 
-    return AsyncLLM(args.model, **{**engine_kwargs(args), "kv_transfer_config": resolve_kv_transfer_config(args)})
+    return AsyncLLM(args.model, **{**engine_kwargs(args), "kv_transfer_config": resolve_kv_transfer_config(args),
+                                   "usage_context": "OPENAI_API_SERVER"})
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.config import EngineConfig, first_gpu
 from minivllm.protocol.messages import NewRequestData, SchedulerOutput
 from minivllm.worker.model_runner import ModelRunner
 
@@ -121,3 +121,16 @@ def test_bf16_agrees_with_hf(tiny_model_factory) -> None:
             lp = hf_logprobs(ids + ours[:same])
             assert lp[theirs[same]] - lp[ours[same]] < BF16_LOGPROB_TOLERANCE, f"prompt {i}, token {same}"
     assert agree >= 0.5 * 6 * 4
+
+
+def test_the_llm_class_takes_vllms_budget_for_this_gpu(tiny_llama) -> None:
+    # As vLLM: 16384 for the LLM class on GPUs of at least 70 GiB other than A100s, 8192 elsewhere
+    # and for the server. The device is asked without a context of its own in this process.
+    total_memory, name = first_gpu()
+    assert total_memory == torch.cuda.get_device_properties(0).total_memory and name
+    large = total_memory >= 70 * 2**30 and "a100" not in name.lower()
+    assert EngineConfig.create(tiny_llama, device="cuda", usage_context="LLM_CLASS").max_num_batched_tokens == (
+        16384 if large else 8192)
+    assert EngineConfig.create(tiny_llama, device="cuda").max_num_batched_tokens == 8192
+    assert EngineConfig.create(tiny_llama, device="cuda", usage_context="OPENAI_API_SERVER",
+                               max_num_batched_tokens=4096).max_num_batched_tokens == 4096

@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.config import EngineConfig, default_max_num_batched_tokens
 from minivllm.protocol.messages import (
     AbortRequests,
     AddRequests,
@@ -151,6 +151,7 @@ def test_engine_config_reads_the_model(tiny_llama) -> None:
         (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be True or False"),
         (dict(scheduling_policy="v0", long_prefill_token_threshold=8), "v0' schedules whole prompts"),
         (dict(scheduling_policy="v0", max_num_batched_tokens=100), r"must be >= max_model_len \(512\)"),
+        (dict(usage_context="LLM"), "usage_context must be one of LLM_CLASS, OPENAI_API_SERVER, ENGINE_CONTEXT"),
     ],
 )
 def test_engine_config_validation(tiny_llama, kwargs, message) -> None:
@@ -169,6 +170,26 @@ def test_engine_config_scheduler_defaults(tiny_llama, tiny_model_factory) -> Non
     assert EngineConfig.create(long_model, scheduling_policy="v0").max_num_batched_tokens == 4096
     assert EngineConfig.create(long_model).max_num_batched_tokens == 2048
     assert EngineConfig.create(tiny_llama, scheduling_policy="v0", max_num_batched_tokens=512).max_num_batched_tokens == 512
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "on_cuda, usage_context, gpu, budget",
+    [
+        (False, "LLM_CLASS", None, 2048),
+        (True, "LLM_CLASS", (80 * GIB, "NVIDIA H100 80GB HBM3"), 16384),  # vLLM's, for H100 / H200 / MI300X
+        (True, "LLM_CLASS", (141 * GIB, "NVIDIA H200"), 16384),
+        (True, "LLM_CLASS", (80 * GIB, "NVIDIA A100-SXM4-80GB"), 8192),  # not on an A100 (vLLM PR 17885)
+        (True, "LLM_CLASS", (48 * GIB, "NVIDIA L40S"), 8192),
+        (True, "LLM_CLASS", None, 8192),  # the GPU unknown: the smaller
+        (True, "OPENAI_API_SERVER", (80 * GIB, "NVIDIA H100 80GB HBM3"), 8192),
+        (True, "ENGINE_CONTEXT", (80 * GIB, "NVIDIA H100 80GB HBM3"), 8192),
+    ],
+)
+def test_default_step_budget_follows_vllm(on_cuda, usage_context, gpu, budget) -> None:
+    assert default_max_num_batched_tokens(on_cuda, usage_context, gpu) == budget
 
 
 def test_engine_config_needs_a_model_dir(tmp_path) -> None:
