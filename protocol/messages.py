@@ -195,7 +195,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
 # ---------------------------------------------------------------- EngineCore -> workers
 
-assert array.array("i").itemsize == 4
+assert array.array("i").itemsize == 4  # (a C int: 4 bytes wherever torch runs)
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -215,7 +215,6 @@ def unpack_token_ids(data: bytes) -> list[int]:
     if sys.byteorder != "little":
         unpacked.byteswap()
     return unpacked.tolist()
-
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):
