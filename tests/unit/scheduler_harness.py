@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.config import EngineConfig
-from minivllm.protocol.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, unpack_token_ids
+from minivllm.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    unpack_token_ids,
+)
 from minivllm.protocol.sampling_params import SamplingParams
 
 EOS = 2
