@@ -27,7 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (prompts longer than what is left are chunked); "
-                        "default 2048 on CPU, 8192 on CUDA; at least max_model_len with --scheduling-policy v0")
+                        "default 2048 on CPU, 8192 on CUDA (for generate and bench 16384 on GPUs of at least "
+                        "70 GiB other than A100s, as vLLM's LLM class); at least max_model_len with "
+                        "--scheduling-policy v0")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-gpu-blocks", type=int, default=None,
