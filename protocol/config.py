@@ -531,8 +531,9 @@ def default_max_num_batched_tokens(on_cuda: bool, usage_context: str, gpu: tuple
 
 
 def first_gpu() -> tuple[int, str] | None:
-    """CUDA device 0's total memory (bytes) and name, or None where torch or CUDA is missing. (Asking
-    makes no CUDA context; the workers are spawned, not forked, so the frontend may ask.)"""
+    """CUDA device 0's total memory (bytes) and name, or None where torch or CUDA is missing. Asking
+    makes no CUDA context, but torch then counts CUDA as initialized in this process, so a child
+    forked from it may not use CUDA; the engine's processes are started with exec, not forked."""
     try:
         import torch
 
