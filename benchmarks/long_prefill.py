@@ -59,10 +59,12 @@ def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int, kv
              max_model_len=max_model_len, max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype,
              num_gpu_blocks=num_gpu_blocks) as llm:
 
+        def random_prompt(num_tokens: int) -> dict:
+            return {"prompt_token_ids": torch.randint(0, 32000, (num_tokens,), generator=gen).tolist()}
+
         def fill() -> None:
             if recycled_blocks:
-                filler = {"prompt_token_ids": torch.randint(0, 32000, (max(input_lens),), generator=gen).tolist()}
-                llm.generate(filler, first, use_tqdm=False)
+                llm.generate(random_prompt(max(input_lens)), first, use_tqdm=False)
             if busy_pool:
                 tokens_each = num_gpu_blocks * block_size // BUSY_REQUESTS - block_size  # all of them fit at once
                 lengths = torch.randint(tokens_each * 4 // 5, tokens_each, (BUSY_REQUESTS,), generator=gen).tolist()
@@ -72,14 +74,14 @@ def time_minivllm(model: str, input_lens: list[int], budget: int, iters: int, kv
 
         fill()
         for n in input_lens:
-            prompt = {"prompt_token_ids": torch.randint(0, 32000, (n,), generator=gen).tolist()}
+            prompt = random_prompt(n)
             llm.generate(prompt, first, use_tqdm=False)  # warm-up: compiles this shape's kernels
             times[n] = []
             for _ in range(iters):
                 if busy_pool:
                     fill()
                 if fresh_prompts:
-                    prompt = {"prompt_token_ids": torch.randint(0, 32000, (n,), generator=gen).tolist()}
+                    prompt = random_prompt(n)
                 llm.reset_prefix_cache()
                 start = time.perf_counter()
                 llm.generate(prompt, first, use_tqdm=False)
