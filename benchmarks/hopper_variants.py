@@ -30,7 +30,7 @@ from benchmarks.tune_attention import CASES, HEAD_DIM, HEADS, build_step, causal
 
 
 def main() -> None:
-    from minivllm.worker.attention import hopper_prefill
+    from minivllm.worker.attention import cuda_build, hopper_prefill
     from minivllm.worker.attention.triton_attention import paged_attention
 
     from tests.gpu.test_triton_attention import BLOCK_ORDERS
@@ -42,14 +42,14 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
     parser.add_argument("--rep", type=int, default=25, help="do_bench milliseconds per timing")
     args = parser.parse_args()
-    nvcc = hopper_prefill.find_nvcc()
+    nvcc = cuda_build.find_nvcc()
     if nvcc is None:
         raise SystemExit("nvcc not found")
     build_dir = tempfile.mkdtemp(prefix="hopper-variants-")
     libs = {}
     for spec in args.variant:
         name, _, source = spec.partition("=")
-        report = hopper_prefill.compile_library(nvcc, source, os.path.join(build_dir, f"{name}.so"))
+        report = cuda_build.compile_library(nvcc, source, os.path.join(build_dir, f"{name}.so"))
         print(name, "|", "; ".join(line.split(":", 1)[-1].strip() for line in report.splitlines()
                                    if "registers" in line or "spill" in line))
         libs[name] = hopper_prefill.load_library(os.path.join(build_dir, f"{name}.so"))

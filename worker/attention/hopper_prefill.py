@@ -21,9 +21,8 @@ short prompts stay on Triton, whose smaller tiles win there. Those steps run eag
 It serves bfloat16 queries and caches with head_dim 128 on compute capability 9.0, with blocks of
 8 to 128 slots (a power of 2). Everything else, FP8 caches included, stays on Triton.
 
-The build (nvcc, ~2 s) goes to `$MINIVLLM_CACHE/kernels/` under a name that fingerprints the
-source and nvcc, and is loaded with ctypes: it takes plain pointers and the stream, so it needs no
-torch headers. No nvcc, or a failed build: the worker logs why once and stays on Triton.
+It is built at worker start (cuda_build.py) and loaded with ctypes. No nvcc, or a failed build:
+the worker logs why once and stays on Triton.
 $MINIVLLM_HOPPER_PREFILL=0 keeps Triton (for measuring).
 """
 
@@ -31,17 +30,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import time
 
 import numpy as np
 import torch
-from minivllm.protocol.config import cache_root
+from minivllm.worker.attention.cuda_build import built_library, failure_reason
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
 
@@ -63,33 +57,6 @@ MIN_TMA_SHARE = 0.25
 _ERROR_BYTES = 512
 
 
-def find_nvcc() -> str | None:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    found = shutil.which("nvcc")
-    if found is None and CUDA_HOME is not None and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        found = os.path.join(CUDA_HOME, "bin", "nvcc")
-    return found
-
-
-def _build_name(nvcc: str) -> str:
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    return f"minivllm_hopper_prefill_{hashlib.sha1(version.encode() + source).hexdigest()[:16]}"
-
-
-def compile_library(nvcc: str, source: str, target: str) -> str:
-    """nvcc source into the shared library target (sm_90a); returns ptxas' report (registers,
-    spills). Raises RuntimeError with nvcc's message if it fails."""
-    result = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
-                             "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", target, source],
-                            capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"nvcc failed: {result.stderr.strip()[-2000:]}")
-    return result.stderr
-
-
 def load_library(path: str) -> ctypes.CDLL:
     """A built library, its entry point typed."""
     lib = ctypes.CDLL(path)
@@ -103,28 +70,12 @@ def load_library(path: str) -> ctypes.CDLL:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot be built (said once, in the log). Built in a
-    directory of its own and renamed into place, so concurrent builds never wait on a lock."""
+    """The built kernel, or None where it cannot be built (said once, in the log)."""
     try:
-        nvcc = find_nvcc()
-        if nvcc is None:
-            raise RuntimeError("nvcc not found (on PATH or under CUDA_HOME)")
-        name = _build_name(nvcc)
-        kernels = str(cache_root() / "kernels")
-        built = os.path.join(kernels, f"{name}.so")
-        if not os.path.exists(built):
-            os.makedirs(kernels, exist_ok=True)
-            started = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=kernels) as build_dir:
-                target = os.path.join(build_dir, f"{name}.so")
-                compile_library(nvcc, SOURCE, target)
-                os.replace(target, built)
-            logger.info("built the Hopper prefill attention kernel in %.1f s: %s", time.perf_counter() - started, built)
-        return load_library(built)
+        return load_library(built_library(SOURCE, "minivllm_hopper_prefill", "Hopper prefill attention kernel"))
     except Exception as e:  # no nvcc, a failed build: Triton serves
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         logger.warning("the Hopper prefill attention kernel (%s) did not build, so prefill attention stays on "
-                       "Triton: %s", SOURCE, reason)
+                       "Triton: %s", SOURCE, failure_reason(e))
         return None
 
 

@@ -1,0 +1,70 @@
+"""Build a CUDA source of this package into a shared library at worker start, once per machine.
+
+The kernels written in CUDA (hopper_prefill.cu, fp8_decode.cu) take plain pointers and a stream
+and are loaded with ctypes, so they need no torch headers: nvcc builds one in ~2 s. A build goes
+to `$MINIVLLM_CACHE/kernels/` under a name that fingerprints the source and nvcc, built in a
+directory of its own and renamed into place, so concurrent builds never wait on a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+from minivllm.protocol.config import cache_root
+
+logger = logging.getLogger(__name__)
+
+
+def find_nvcc() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    found = shutil.which("nvcc")
+    if found is None and CUDA_HOME is not None and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        found = os.path.join(CUDA_HOME, "bin", "nvcc")
+    return found
+
+
+def compile_library(nvcc: str, source: str, target: str, defines: tuple[str, ...] = ()) -> str:
+    """nvcc source into the shared library target (sm_90a); returns ptxas' report (registers,
+    spills). defines: extra `-D` flags (NAME or NAME=VALUE). Raises RuntimeError with nvcc's
+    message if it fails."""
+    result = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
+                             "-Xcompiler", "-fPIC", "-Xptxas", "-v", *(f"-D{d}" for d in defines), "-o", target,
+                             source], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"nvcc failed: {result.stderr.strip()[-2000:]}")
+    return result.stderr
+
+
+def built_library(source: str, stem: str, what: str) -> str:
+    """The path of source's build (building it now if this machine has none); `stem` prefixes its
+    file name, `what` names the kernel in the log. Raises RuntimeError where it cannot be built."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (on PATH or under CUDA_HOME)")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    with open(source, "rb") as f:
+        name = f"{stem}_{hashlib.sha1(version.encode() + f.read()).hexdigest()[:16]}"
+    kernels = str(cache_root() / "kernels")
+    built = os.path.join(kernels, f"{name}.so")
+    if not os.path.exists(built):
+        os.makedirs(kernels, exist_ok=True)
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=kernels) as build_dir:
+            target = os.path.join(build_dir, f"{name}.so")
+            compile_library(nvcc, source, target)
+            os.replace(target, built)
+        logger.info("built the %s in %.1f s: %s", what, time.perf_counter() - started, built)
+    return built
+
+
+def failure_reason(error: Exception) -> str:
+    """The last line of a failed build's error, for the one log line that says why."""
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
