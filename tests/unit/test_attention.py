@@ -154,7 +154,7 @@ def test_fp8_quantize_keeps_the_cache_finite() -> None:
 
 
 def test_fp8_block_layout() -> None:
-    """The bytes of an FP8 block are where kv_cache.py says: keys [slot, head, dim], values
+    """The bytes of an FP8 block are where kv_cache.py says: keys [head, slot, dim], values
     transposed [head, dim, slot], scales [head, slot] after each block's data; the views index
     [block, slot, head, dim] either way."""
     block_size, heads, dim, num_blocks = 4, 2, 8, 3
@@ -169,7 +169,7 @@ def test_fp8_block_layout() -> None:
         data, scale = quantize(x.view(num_blocks, block_size, heads, dim))
         row = cache[which, :, :data_bytes]
         if which == 0:
-            expected = data.view(torch.uint8).reshape(num_blocks, -1)
+            expected = data.view(torch.uint8).permute(0, 2, 1, 3).reshape(num_blocks, -1)
         else:
             expected = data.view(torch.uint8).permute(0, 2, 3, 1).reshape(num_blocks, -1)
         assert torch.equal(row, expected)

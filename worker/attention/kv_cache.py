@@ -9,10 +9,13 @@ largest element maps to e4m3's largest finite value and every vector uses the fo
 range (one per-tensor scale, as vLLM's default, can leave outlier-free heads with a few
 significant bits). A block keeps its data and then its scales in one uint8 row:
     kv_cache[2, num_blocks, block_bytes], block_bytes = block_size * num_kv_heads * (head_dim + 4)
-    K row = [block_size, num_kv_heads, head_dim] e4m3 | [num_kv_heads, block_size] float32 scales
+    K row = [num_kv_heads, block_size, head_dim] e4m3 | [num_kv_heads, block_size] float32 scales
     V row = [num_kv_heads, head_dim, block_size] e4m3 | [num_kv_heads, block_size] float32 scales
-Values are stored transposed (a head's block is head_dim rows of block_size consecutive tokens) and
-scales head by head, because that is how the attention kernels consume them: the P.V product needs
+Everything is stored head by head, so that one head's share of a block (what one attention program
+reads) is one run of bytes: 2 KiB of keys and 2 KiB of values at head_dim 128 and blocks of 16 (with
+keys [block_size, num_kv_heads, head_dim], as the plain cache has them, the decode kernels read
+FP8 caches 1.5% slower). Values are stored transposed (a head's block is head_dim rows of block_size
+consecutive tokens), because that is how the attention kernels consume them: the P.V product needs
 consecutive keys side by side, and 8-bit data, unlike 16-bit, cannot be transposed on its way
 from shared memory to the tensor cores (with values stored like keys the decode kernel loaded them
 byte by byte). `split` hides this: its views are indexed [block, slot, head, dim] either way.
@@ -86,7 +89,7 @@ class KVCacheLayout:
             return KVCacheViews(kv_cache[0], kv_cache[1], None, None)
         num_blocks, size, heads, dim = kv_cache.shape[1], self.block_size, self.num_kv_heads, self.head_dim
         data = kv_cache[:, :, : size * heads * dim].view(FP8_DTYPE)
-        key = data[0].view(num_blocks, size, heads, dim)
+        key = data[0].view(num_blocks, heads, size, dim).permute(0, 2, 1, 3)
         value = data[1].view(num_blocks, heads, dim, size).permute(0, 3, 1, 2)
         scales = kv_cache[:, :, size * heads * dim :].view(torch.float32).view(2, num_blocks, heads, size).transpose(2, 3)
         return KVCacheViews(key, value, scales[0], scales[1])
