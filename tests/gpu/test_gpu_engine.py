@@ -57,6 +57,15 @@ def test_cuda_graphs_equal_eager_bf16(tiny_model_factory) -> None:
     assert generate(model_dir, device="cuda") == generate(model_dir, device="cuda", enforce_eager=True)
 
 
+def test_fp8_cache_decodes_in_cuda_graphs_as_eagerly(tiny_model_factory) -> None:
+    """kv_cache_dtype="fp8" at head_dim 128: on an H100/H200 the decode steps go to the CUDA kernel
+    (worker/attention/fp8_decode.cu), which norms and rotates q/k and stores this step's K/V itself;
+    captured in CUDA graphs it gives the tokens it gives eagerly."""
+    model_dir = tiny_model_factory("qwen3", head_dim=128)
+    assert generate(model_dir, device="cuda", kv_cache_dtype="fp8") == \
+        generate(model_dir, device="cuda", kv_cache_dtype="fp8", enforce_eager=True)
+
+
 def test_worker_in_the_engine_process_equals_worker_processes(tiny_model_factory) -> None:
     """distributed_executor_backend="uni": the same CUDA graphs and steps in flight, no sockets."""
     model_dir = tiny_model_factory("qwen3")

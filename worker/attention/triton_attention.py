@@ -30,6 +30,9 @@ only a few (metadata.split_decodes False): the prefill kernel then takes its dec
 decode-only step can hand the kernel q, k and v before the per-head norm and RoPE (`rope`): it
 rotates them in registers and stores this step's K/V itself, in place of ops.norm_rope's kernel.
 
+Decode-only steps of many sequences over an FP8 cache go to a CUDA kernel where one is built
+(fp8_decode.py: Triton's kernel reads an FP8 cache at ~2.4 TB/s on an H100, that one at ~2.6-2.7).
+
 An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
 multiplies its column of scores and each value's scale the column of probabilities that weighs it,
 so nothing is dequantized in full. Its values are stored transposed (keys along a row), the
@@ -53,7 +56,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minivllm.worker import pdl
-from minivllm.worker.attention import hopper_prefill
+from minivllm.worker.attention import fp8_decode, hopper_prefill
 from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
 from minivllm.worker.attention.metadata import (
     DECODE_LONG_CONTEXT,
@@ -911,7 +914,11 @@ def decode_attention(
 
     rope (decode-only steps): `query` and rope.key are the qkv projection's, before the per-head
     norm and RoPE, and this step's K/V are not in the cache yet: the kernel norms and rotates them
-    and stores k and v itself (no norm_rope kernel before it)."""
+    and stores k and v itself (no norm_rope kernel before it).
+
+    FP8 caches: steps of at least fp8_decode.MIN_SEQS sequences go to the CUDA kernel
+    (fp8_decode.py) where it serves; with `rope`, ops.norm_rope rotates q and k in place and stores
+    this step's K/V before it."""
     num_tokens, num_heads, head_dim = query.shape
     layout = metadata.layout(kv_cache)
     num_kv_heads = layout.num_kv_heads
@@ -949,6 +956,17 @@ def decode_attention(
     if not mixed and num_splits == 1 and config.longest_first and \
             num_seqs * num_kv_heads > pdl.num_sms(query.device.index or 0):
         seq_order = metadata.longest_first()
+    if not mixed and fp8_decode.supports(query, layout, num_seqs):  # the CUDA kernel (fp8_decode.py)
+        if rope is not None:  # the kernel takes q rotated and this step's K/V stored: ops.norm_rope first
+            from minivllm.worker import ops  # (ops imports this module)
+
+            query, _ = ops.norm_rope(query, rope.key, rope.positions, rope.cos_cache, rope.sin_cache, rope.q_norm,
+                                     rope.k_norm, rope.eps, kv_store=(rope.value, kv_cache, metadata.slot_mapping, layout))
+        fp8_decode.decode(query, views, layout, metadata, scale, out, num_splits, seq_order, partial_out, partial_max,
+                          partial_sum)
+        if num_splits > 1:
+            _combine_splits(out, partial_out, partial_max, partial_sum, head_dim)
+        return out
     if rope is not None:
         key, value = rope.key, rope.value
         if query.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1:
@@ -978,12 +996,19 @@ def decode_attention(
         **(pdl.OFF if mixed else pdl.launch_options(query.device)),
     )
     if num_splits > 1:
-        _combine_splits_kernel[(num_seqs, num_heads)](
-            out, partial_out, partial_max, partial_sum, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, NUM_SPLITS=num_splits,
-            **pdl.launch_options(query.device),
-        )
+        _combine_splits(out, partial_out, partial_max, partial_sum, head_dim)
     return out
+
+
+def _combine_splits(out: torch.Tensor, partial_out: torch.Tensor, partial_max: torch.Tensor,
+                    partial_sum: torch.Tensor, head_dim: int) -> None:
+    """Merge a decode step's split states (partial_out [seq, head, split, head_dim_padded]) into out."""
+    num_seqs, num_heads, num_splits, head_dim_padded = partial_out.shape
+    _combine_splits_kernel[(num_seqs, num_heads)](
+        out, partial_out, partial_max, partial_sum, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, NUM_SPLITS=num_splits,
+        **pdl.launch_options(out.device),
+    )
 
 
 # Most programs that share a short chunk's context (metadata.step_splits_contexts).
