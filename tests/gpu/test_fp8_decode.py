@@ -95,7 +95,7 @@ def test_steps_before_rope_go_through_the_rope_kernel(kernel, with_norm, num_spl
 
 def test_small_batches_stay_on_triton(kernel) -> None:
     """Below MIN_SEQS sequences a decode step goes to Triton's kernel (quicker there)."""
-    q, cache, layout, plain = fp8_batch(LONG_DECODES, 2)
+    q, _, layout, _ = fp8_batch(LONG_DECODES, 2)
     assert len(LONG_DECODES) < fp8_decode.MIN_SEQS <= len(DECODES)
     assert not fp8_decode.supports(q, layout, len(LONG_DECODES))
     assert fp8_decode.supports(q, layout, len(DECODES))

@@ -8,6 +8,7 @@ directory of its own and renamed into place, so concurrent builds never wait on 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 from minivllm.protocol.config import cache_root
 
@@ -64,7 +66,14 @@ def built_library(source: str, stem: str, what: str) -> str:
     return built
 
 
-def failure_reason(error: Exception) -> str:
-    """The last line of a failed build's error, for the one log line that says why."""
-    text = str(error).strip()
-    return text.splitlines()[-1] if text else type(error).__name__
+def library_or_none(source: str, stem: str, what: str, load: Callable[[str], ctypes.CDLL],
+                    fallback: str) -> ctypes.CDLL | None:
+    """load(built_library(...)): the kernel, or None where it cannot be built (no nvcc, a failed
+    build), said once in the log with `fallback`, what serves instead."""
+    try:
+        return load(built_library(source, stem, what))
+    except Exception as e:
+        text = str(e).strip()
+        logger.warning("the %s (%s) did not build, so %s: %s", what, source, fallback,
+                       text.splitlines()[-1] if text else type(e).__name__)
+        return None

@@ -241,27 +241,13 @@ __device__ __forceinline__ void attend_tile(SoftmaxState& st, const Tile& tile, 
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
 // A lane's 32 dims of a head row: lo = dims 16t..16t+15, hi = 64+16t..64+16t+15.
 template <typename T>
 __device__ __forceinline__ void load_head_dims(const T* row, int t, float (&lo)[16], float (&hi)[16]) {
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
-    lo[k] = to_float<T>(row[16 * t + k]);
-    hi[k] = to_float<T>(row[64 + 16 * t + k]);
+    lo[k] = static_cast<float>(row[16 * t + k]);
+    hi[k] = static_cast<float>(row[64 + 16 * t + k]);
   }
 }
 
@@ -376,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
     const int head = kv_head * p.group + q;
     if (p.num_splits == 1) {
       T* out = static_cast<T*>(p.out) + seq * p.out_stride_token + head * p.out_stride_head;
-      out[dim] = from_float<T>(sum > 0.f ? acc / sum : 0.f);
+      out[dim] = T(sum > 0.f ? acc / sum : 0.f);
     } else {  // the partial state _combine_splits_kernel merges; an empty split: max -inf, sum 0
       const int64_t state = (static_cast<int64_t>(seq) * gridDim.x * p.group + head) * p.num_splits + split;
       p.partial_out[state * kHeadDim + dim] = acc;

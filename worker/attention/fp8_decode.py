@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 
 import torch
-from minivllm.worker.attention.cuda_build import built_library, failure_reason
+from minivllm.worker.attention.cuda_build import library_or_none
 from minivllm.worker.attention.kv_cache import KVCacheLayout, KVCacheViews
 from minivllm.worker.attention.metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("MINIVLLM_FP8_DECODE_CUDA", "1") != "0"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_decode.cu")
@@ -62,12 +59,7 @@ def load_library(path: str) -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (said once, in the log)."""
-    try:
-        return load_library(built_library(SOURCE, "minivllm_fp8_decode", "FP8 decode attention kernel"))
-    except Exception as e:  # no nvcc, a failed build: Triton serves
-        logger.warning("the FP8 decode attention kernel (%s) did not build, so FP8 decode stays on Triton: %s",
-                       SOURCE, failure_reason(e))
-        return None
+    return library_or_none(SOURCE, "minivllm_fp8_decode", "FP8 decode attention kernel", load_library, "FP8 decode stays on Triton")
 
 
 def serves(dtype: torch.dtype, num_heads: int, layout: KVCacheLayout, device: torch.device) -> bool:

@@ -30,16 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 
 import numpy as np
 import torch
-from minivllm.worker.attention.cuda_build import built_library, failure_reason
+from minivllm.worker.attention.cuda_build import library_or_none
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("MINIVLLM_HOPPER_PREFILL", "1") != "0"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopper_prefill.cu")
@@ -71,12 +68,7 @@ def load_library(path: str) -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (said once, in the log)."""
-    try:
-        return load_library(built_library(SOURCE, "minivllm_hopper_prefill", "Hopper prefill attention kernel"))
-    except Exception as e:  # no nvcc, a failed build: Triton serves
-        logger.warning("the Hopper prefill attention kernel (%s) did not build, so prefill attention stays on "
-                       "Triton: %s", SOURCE, failure_reason(e))
-        return None
+    return library_or_none(SOURCE, "minivllm_hopper_prefill", "Hopper prefill attention kernel", load_library, "prefill attention stays on Triton")
 
 
 def _serves(dtype: torch.dtype, layout: KVCacheLayout, device: torch.device) -> bool:
