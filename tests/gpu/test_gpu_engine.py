@@ -58,12 +58,18 @@ def test_cuda_graphs_equal_eager_bf16(tiny_model_factory) -> None:
 
 
 def test_fp8_cache_decodes_in_cuda_graphs_as_eagerly(tiny_model_factory) -> None:
-    """kv_cache_dtype="fp8" at head_dim 128: on an H100/H200 the decode steps go to the CUDA kernel
-    (worker/attention/fp8_decode.cu), which norms and rotates q/k and stores this step's K/V itself;
-    captured in CUDA graphs it gives the tokens it gives eagerly."""
+    """kv_cache_dtype="fp8" at head_dim 128 with 24 sequences decoding: on an H100/H200 those steps go
+    to the CUDA kernel (worker/attention/fp8_decode.cu, after ops.norm_rope); captured in CUDA graphs
+    it gives the tokens it gives eagerly."""
     model_dir = tiny_model_factory("qwen3", head_dim=128)
-    assert generate(model_dir, device="cuda", kv_cache_dtype="fp8") == \
-        generate(model_dir, device="cuda", kv_cache_dtype="fp8", enforce_eager=True)
+    prompts = [{"prompt_token_ids": [(11 * i + 3 * j) % 400 + 1 for j in range(17 + 9 * i)]} for i in range(24)]
+
+    def fp8_tokens(**kwargs) -> list[list[int]]:
+        with LLM(model_dir, device="cuda", kv_cache_dtype="fp8", max_model_len=512, max_num_seqs=32,
+                 max_num_batched_tokens=1024, **kwargs) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    assert fp8_tokens() == fp8_tokens(enforce_eager=True)
 
 
 def test_worker_in_the_engine_process_equals_worker_processes(tiny_model_factory) -> None:

@@ -9,9 +9,12 @@
 //   O^T [128 dims x 8 queries] += V^T [128 x 16] . P^T [16 x 8]    (8 MMAs, one per 16 dims)
 // Keys are the product's tall side, so nothing is padded but the queries (to 8).
 //
-// Every operand comes straight from global memory into the registers the MMA reads, a block ahead
-// of its math (no shared memory, no barrier in the loop). That works because the order of the
-// head dims inside S's sum, and the order of the keys inside O's, are free:
+// Each warp keeps a ring of kStages shared-memory stages, one cache block each (its K, V and
+// scales for this KV head), filled by cp.async kStages - 1 blocks ahead of the math: with only the
+// next block in flight (operands loaded straight into registers) the kernel waited on its loads and
+// read the cache no faster than Triton's. From its stage a lane reads the operands in the very
+// order the MMA takes them, with no shuffle, because the order of the head dims inside S's sum and
+// the order of the keys inside O's are free:
 //  - a lane owns 32 bytes of each of its two keys' rows (bytes 16t..16t+15 and 64+16t..64+16t+15,
 //    t = lane % 4), two 16-byte loads per key, and feeds them to the K-steps of S in that order;
 //    the queries are loaded in the same order;
@@ -60,7 +63,7 @@ struct Params {
   int64_t out_stride_token, out_stride_head;  // elements
   const void* query;
   int64_t query_stride_token, query_stride_head;  // elements
-  const uint8_t* key_cache;  // e4m3 [block, slot, head, dim]
+  const uint8_t* key_cache;  // e4m3, a head's block as [slot][dim] (any slot and head strides)
   const uint8_t* value_cache;  // e4m3, a head's block as [dim][slot]
   const float* key_scale;  // [block, head, slot]
   const float* value_scale;
@@ -192,8 +195,7 @@ __device__ __forceinline__ void attend_tile(SoftmaxState& st, const Tile& tile, 
   for (int step = 0; step < 8; ++step) {
     const uint32_t w0 = word(tile.key0[step / 4], step % 4), w1 = word(tile.key1[step / 4], step % 4);
     mma_16816(s, e4m3x2_to_f16x2<false>(w0), e4m3x2_to_f16x2<false>(w1), e4m3x2_to_f16x2<true>(w0),
-              e4m3x2_to_f16x2<true>(w1),
-              query[step][0], query[step][1]);
+              e4m3x2_to_f16x2<true>(w1), query[step][0], query[step][1]);
   }
   const bool valid0 = slot0 < valid_keys, valid1 = slot1 < valid_keys;
   const float k0 = tile.key_scale[0] * scale_log2, k1 = tile.key_scale[1] * scale_log2;
@@ -217,7 +219,8 @@ __device__ __forceinline__ void attend_tile(SoftmaxState& st, const Tile& tile, 
   st.max[0] = max0;
   st.max[1] = max1;
   st.ref = ref;
-  const float p0 = fast_exp2(s[0] - max0), p1 = fast_exp2(s[1] - max1), p2 = fast_exp2(s[2] - max0), p3 = fast_exp2(s[3] - max1);
+  const float p0 = fast_exp2(s[0] - max0), p1 = fast_exp2(s[1] - max1);
+  const float p2 = fast_exp2(s[2] - max0), p3 = fast_exp2(s[3] - max1);
   st.sum[0] = st.sum[0] * alpha0 + p0 + p2;
   st.sum[1] = st.sum[1] * alpha1 + p1 + p3;
   const float rescale0 = alpha0 * ref_ratio, rescale1 = alpha1 * ref_ratio;
