@@ -55,6 +55,7 @@ constexpr int kKeyBytes = kBlockSize * kHeadDim;
 constexpr int kStageBytes = 2 * kKeyBytes + 2 * kBlockSize * 4;
 constexpr int kSharedBytes = kWarps * kStages * kStageBytes;
 static_assert(kStages >= 2, "a ring needs a stage in flight");
+static_assert(kThreads == kHeadDim, "the merge gives each thread one dim of the output");
 constexpr int kMaxGroup = 8;  // queries per KV head: the MMA's narrow side
 static_assert(kWarps * kMaxGroup * (kHeadDim + 2) * 4 <= kSharedBytes, "the merge reuses the rings' memory");
 
