@@ -32,13 +32,12 @@ def find_nvcc() -> str | None:
     return found
 
 
-def compile_library(nvcc: str, source: str, target: str, defines: tuple[str, ...] = ()) -> str:
+def compile_library(nvcc: str, source: str, target: str) -> str:
     """nvcc source into the shared library target (sm_90a); returns ptxas' report (registers,
-    spills). defines: extra `-D` flags (NAME or NAME=VALUE). Raises RuntimeError with nvcc's
-    message if it fails."""
+    spills). Raises RuntimeError with nvcc's message if it fails."""
     result = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
-                             "-Xcompiler", "-fPIC", "-Xptxas", "-v", *(f"-D{d}" for d in defines), "-o", target,
-                             source], capture_output=True, text=True, check=False)
+                             "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", target, source],
+                            capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed: {result.stderr.strip()[-2000:]}")
     return result.stderr

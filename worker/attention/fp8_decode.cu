@@ -41,14 +41,9 @@ constexpr int kHeadDim = 128;
 constexpr int kBlockSize = 16;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-#ifndef FP8_DECODE_MIN_BLOCKS
-#define FP8_DECODE_MIN_BLOCKS 4
-#endif
-#ifndef FP8_DECODE_STAGES
-#define FP8_DECODE_STAGES 3
-#endif
-constexpr int kMinBlocks = FP8_DECODE_MIN_BLOCKS;  // CTAs an SM keeps (caps the registers)
-constexpr int kStages = FP8_DECODE_STAGES;  // cache blocks in each warp's ring (kStages - 1 in flight)
+// (4 CTAs of 3 stages against 3 of 4 or 4 of 2: benchmarks/results/2026-11-26-fp8-decode-cuda/)
+constexpr int kMinBlocks = 4;  // CTAs an SM keeps (caps the registers)
+constexpr int kStages = 3;  // cache blocks in each warp's ring (kStages - 1 in flight)
 // A stage: the block's keys [16 slots][128 bytes] (swizzled), values [128 dims][16 slots], then the
 // keys' and the values' 16 scales.
 constexpr int kKeyBytes = kBlockSize * kHeadDim;

@@ -948,8 +948,6 @@ def decode_attention(
     else:
         partial_out = partial_max = partial_sum = out  # unused
     views = layout.split(kv_cache)
-    k_scale, v_scale = _scales(views)
-    group_padded = max(16, triton.next_power_of_2(heads_per_kv))  # a tensor-core tile has >= 16 rows
     # Longest sequences first when the programs come in several waves (not in a mixed step, whose
     # grid also spans the prefill sequences).
     seq_order = None
@@ -967,6 +965,8 @@ def decode_attention(
         if num_splits > 1:
             _combine_splits(out, partial_out, partial_max, partial_sum, head_dim)
         return out
+    k_scale, v_scale = _scales(views)
+    group_padded = max(16, triton.next_power_of_2(heads_per_kv))  # a tensor-core tile has >= 16 rows
     if rope is not None:
         key, value = rope.key, rope.value
         if query.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1:
