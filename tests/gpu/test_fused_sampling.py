@@ -7,7 +7,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs Triton (the CUDA build of torch)")
-from minivllm.worker.fused_sampling import gumbel_max_sample, row_seeds  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from minivllm.worker.fused_sampling import _gumbel_log2, gumbel_max_sample, row_seeds  # noqa: E402
 from minivllm.worker.sampler import Sampler  # noqa: E402
 
 
@@ -33,6 +36,49 @@ def test_distribution_matches_softmax(temperature) -> None:
     expected = torch.softmax(logits[0].double() / temperature, -1).cpu() * draws
     chi2 = ((observed - expected) ** 2 / expected).sum().item()
     assert chi2 < 27.9  # p = 0.001 at 9 degrees of freedom
+
+
+def test_distribution_holds_across_quarters_blocks_and_chunks() -> None:
+    """The kernel takes each block of the vocabulary as four quarters, each with its own share of a
+    Philox call, and the row in chunks: ten live tokens spread over all of them (the rest of the
+    row far below) are drawn with softmax's probabilities."""
+    torch.manual_seed(1)
+    vocab = 12_000
+    live = torch.tensor([3, 600, 1100, 1700, 2047, 2048, 2600, 4095, 4096, 9999])
+    logits = torch.full((1, vocab), -1e4, device="cuda")
+    logits[0, live] = torch.randn(len(live), device="cuda")
+    draws = 20_000
+    tokens = sample(logits.expand(draws, vocab).contiguous(), np.ones(draws), np.arange(draws)).cpu()
+    assert bool(torch.isin(tokens, live).all())
+    observed = torch.bincount(tokens, minlength=vocab)[live].double()
+    expected = torch.softmax(logits[0, live].double(), -1).cpu() * draws
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    assert chi2 < 27.9  # p = 0.001 at 9 degrees of freedom
+
+
+@triton.jit
+def _noise_kernel(bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + offs, mask=offs < n).to(tl.uint32, bitcast=True)
+    tl.store(out_ptr + offs, _gumbel_log2(bits), mask=offs < n)
+
+
+def test_noise_is_accurate_where_it_is_largest() -> None:
+    """The Gumbel noise from 32 random bits, against float64: the largest noise comes from U near 1,
+    where -ln(U) computed from a rounded float32 U would be 0 or off by a whole quantum; the kernel
+    takes it from V = 1 - U's bits (and a series) instead, and is accurate across the range."""
+    bits = np.unique(np.concatenate([
+        np.arange(0, 4096), 2 ** np.arange(12, 32), 2 ** np.arange(12, 32) - 1, 3 * 2 ** np.arange(12, 30),
+        np.random.default_rng(0).integers(0, 2**32, 100_000), [2**32 - 1, 2**32 - 256, 2**26 - 1, 2**26 + 1],
+    ]).astype(np.uint64)).astype(np.uint32)
+    out = torch.empty(len(bits), device="cuda")
+    _noise_kernel[(triton.cdiv(len(bits), 1024),)](torch.from_numpy(bits.view(np.int32)).cuda(), out, len(bits),
+                                                   BLOCK=1024)
+    v = np.minimum((bits.astype(np.float32).astype(np.float64) + 0.5) * 2.0**-32, np.float64(np.float32(0.99999994)))
+    expected = -np.log2(-np.log1p(-v))  # G / ln 2 for E = -ln(1 - V)
+    error = np.abs(out.cpu().double().numpy() - expected)
+    assert error.max() < 5e-5, (bits[error.argmax()], error.max())
+    assert expected.max() > 30  # (the range reached: V down to ~1e-10 gives noise ~33)
 
 
 def test_seeded_rows_are_reproducible_and_batch_independent() -> None:
