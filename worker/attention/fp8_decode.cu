@@ -121,6 +121,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Programmatic dependent launch: wait until the kernel before this one has finished and its writes
+// are visible (a no-op when the launch did not allow an early start).
+__device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -282,8 +286,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
     }
     cp_async_commit();
   };
-#pragma unroll
-  for (int m = 0; m < kStages - 1; ++m) copy(m);
+  // PDL (worker/pdl.py): the kernel before this one (ops.norm_rope, or the K/V store) writes the
+  // query and each sequence's newest key and value, which sit in its last block; the lengths, block
+  // tables and order are step inputs. So the ring's first copies go out before waiting for that
+  // kernel, unless they are of the last block.
+  int m = 0;
+  for (; m < kStages - 1 && (m >= my_blocks || first + kWarps * m < num_blocks - 1); ++m) copy(m);
+  wait_for_previous_kernel();
+  for (; m < kStages - 1; ++m) copy(m);
 
   // The lane's query row g, in the order its key bytes feed the K-steps (0 for padding rows).
   uint32_t query[8][2];
@@ -310,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   st.sum[0] = st.sum[1] = 0.f;
   st.ref = 0.f;
 
-  for (int m = 0; m < my_blocks; ++m) {
+  for (m = 0; m < my_blocks; ++m) {
     cp_async_wait<kStages - 2>();  // block m has landed (this lane's copies)
     __syncwarp();  // ... and every lane's; and all are done reading block m - 1's stage
     copy(m + kStages - 1);  // into that stage
@@ -383,7 +393,7 @@ extern "C" int minivllm_fp8_decode(
     int64_t stride_key_slot, int64_t stride_key_head, int64_t stride_value_head, int64_t stride_scale_block,
     int64_t stride_scale_head, const int* block_tables, int64_t block_table_stride, const int* seq_lens,
     const int* seq_order, float scale_log2, int num_splits, void* partial_out, void* partial_max, void* partial_sum,
-    void* stream, char* error, int error_len) {
+    int pdl, void* stream, char* error, int error_len) {
   if (group < 1 || group > kMaxGroup) {
     snprintf(error, error_len, "query heads per KV head must be 1 to %d, got %d", kMaxGroup, group);
     return 1;
@@ -410,13 +420,18 @@ extern "C" int minivllm_fp8_decode(
     }
     configured = true;
   }
-  const dim3 grid(num_kv_heads, num_seqs, num_splits);
-  auto s = static_cast<cudaStream_t>(stream);
-  if (query_dtype == 1)
-    fp8_decode_kernel<__nv_bfloat16><<<grid, kThreads, kSharedBytes, s>>>(p);
-  else
-    fp8_decode_kernel<__half><<<grid, kThreads, kSharedBytes, s>>>(p);
-  cudaError_t err = cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(num_kv_heads, num_seqs, num_splits);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute early_start;  // pdl: the CTAs may start while the kernel before runs
+  early_start.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early_start.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &early_start;
+  config.numAttrs = pdl ? 1 : 0;
+  cudaError_t err = query_dtype == 1 ? cudaLaunchKernelEx(&config, fp8_decode_kernel<__nv_bfloat16>, p)
+                                     : cudaLaunchKernelEx(&config, fp8_decode_kernel<__half>, p);
   if (err != cudaSuccess) {
     snprintf(error, error_len, "launch: %s", cudaGetErrorString(err));
     return 1;

@@ -30,6 +30,7 @@ import functools
 import os
 
 import torch
+from minivllm.worker import pdl
 from minivllm.worker.attention.cuda_build import library_or_none
 from minivllm.worker.attention.kv_cache import KVCacheLayout, KVCacheViews
 from minivllm.worker.attention.metadata import AttentionMetadata
@@ -53,7 +54,7 @@ def load_library(path: str) -> ctypes.CDLL:
     fn = lib.minivllm_fp8_decode
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                   ptr, i64, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr, ptr, ctypes.c_char_p, i32]
+                   ptr, i64, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr, i32, ptr, ctypes.c_char_p, i32]
     fn.restype = i32
     return lib
 
@@ -121,6 +122,6 @@ def decode(query: torch.Tensor, views: KVCacheViews, layout: KVCacheLayout, meta
         tables.data_ptr(), tables.stride(0), metadata.seq_lens.data_ptr(),
         seq_order.data_ptr() if seq_order is not None else None, scale * 1.4426950408889634, num_splits,
         *((t.data_ptr() for t in (partial_out, partial_max, partial_sum)) if num_splits > 1 else (None,) * 3),
-        torch.cuda.current_stream(query.device).cuda_stream, error, _ERROR_BYTES)
+        int(pdl.enabled(query.device)), torch.cuda.current_stream(query.device).cuda_stream, error, _ERROR_BYTES)
     if status != 0:
         raise RuntimeError(f"FP8 decode attention: {error.value.decode(errors='replace')}")
