@@ -41,7 +41,8 @@ class StepLayout(NamedTuple):
     @property
     def fields(self) -> dict[str, tuple[int, int, np.dtype]]:
         """name -> (byte offset, element count, dtype). seq_info is query_start_loc [S + 1], then
-        seq_lens [S], then the count of sequences with tokens [1] (see StepBuffers.load)."""
+        seq_lens [S], then the count of sequences with tokens [1], then (decode steps) the sequences
+        by decreasing length [S] (see StepBuffers.load)."""
         return _fields(self.tokens, self.seqs)
 
     @property
@@ -56,7 +57,7 @@ def _fields(tokens: int, seqs: int) -> dict[str, tuple[int, int, np.dtype]]:
     fields, offset = {}, 0
     for name, count, dtype in (("input_ids", tokens, np.int64), ("positions", tokens, np.int64),
                                ("slot_mapping", tokens, np.int64), ("sample_seeds", seqs, np.int64),
-                               ("seq_info", 2 * seqs + 2, np.int32), ("temperature", seqs, np.float32)):
+                               ("seq_info", 3 * seqs + 2, np.int32), ("temperature", seqs, np.float32)):
         fields[name] = (offset, count, np.dtype(dtype))
         offset = _aligned(offset + count * np.dtype(dtype).itemsize)
     return fields
@@ -75,6 +76,7 @@ class StepViews(NamedTuple):
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     num_active_seqs: torch.Tensor
+    seq_order: torch.Tensor
     sample_seeds: torch.Tensor
     temperature: torch.Tensor
 
@@ -117,8 +119,8 @@ class StepBuffers:
 
         seq_info = view("seq_info")
         return StepViews(view("input_ids"), view("positions"), view("slot_mapping"), seq_info[: seqs + 1],
-                         seq_info[seqs + 1: 2 * seqs + 1], seq_info[2 * seqs + 1:], view("sample_seeds"),
-                         view("temperature"))
+                         seq_info[seqs + 1: 2 * seqs + 1], seq_info[2 * seqs + 1: 2 * seqs + 2],
+                         seq_info[2 * seqs + 2:], view("sample_seeds"), view("temperature"))
 
     @functools.lru_cache(maxsize=_RING * 64)
     def _host_arrays(self, turn: int, tokens: int, seqs: int) -> dict[str, np.ndarray]:
@@ -176,6 +178,8 @@ class StepBuffers:
             seq_info[num_seqs + 1: seqs + 1] = tokens
             num_active = num_seqs + 1
         seq_info[2 * seqs + 1] = num_active
+        if step.max_query_len == 1:  # a decode step's order for its attention (padding rows, length 0, last)
+            seq_info[2 * seqs + 2:] = np.argsort(-seq_info[seqs + 1: 2 * seqs + 1], kind="stable")
         if step.sample_temperature is not None:  # padding rows: greedy (nobody reads their tokens)
             num_rows = len(step.sample_temperature)
             temperature, seeds = arrays["temperature"], arrays["sample_seeds"]
@@ -239,4 +243,5 @@ class StepBuffers:
             kv_layout=self.kv_layout,
             num_active_seqs=views.num_active_seqs,
             split_decodes=split_decodes,
+            seq_order=views.seq_order if max_query_len == 1 else None,
         )

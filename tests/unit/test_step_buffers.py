@@ -71,6 +71,10 @@ def test_a_decode_step_padded_to_its_bucket_gives_each_padding_row_a_sequence() 
     views = buffers.views(4, 4)
     assert views.temperature[:3].tolist() == [0.0, 0.5, 1.0] and views.sample_seeds[:3].tolist() == [0, 11, 22]
     assert buffers.pending_index.tolist() == [0, 2] and buffers.pending_source.tolist() == [1, 0]
+    # the attention's order, longest first (padding last), sorted on the host: no sort on the device
+    assert metadata.seq_order.tolist() == [1, 0, 2, 3] and metadata.longest_first() is metadata.seq_order
+    step = step_of([1, 1, 1, 1], [6, 2, 6, 9])  # ties keep their order
+    assert buffers.load(step).longest_first().tolist() == [3, 0, 2, 1]
 
 
 def test_a_mixed_step_puts_its_padding_tokens_in_one_sequence_after_its_own() -> None:
@@ -82,6 +86,7 @@ def test_a_mixed_step_puts_its_padding_tokens_in_one_sequence_after_its_own() ->
     assert metadata.num_active_seqs.tolist() == [3]
     assert metadata.slot_mapping.tolist() == list(range(1000, 1006)) + [-1] * 10
     assert len(buffers.pending_index) == 0
+    assert metadata.seq_order is None  # (a mixed step's attention takes its sequences as they come)
 
 
 def test_loads_of_different_layouts_in_turn_each_read_what_they_wrote() -> None:

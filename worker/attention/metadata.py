@@ -86,6 +86,10 @@ class AttentionMetadata:
     # with TMA (hopper_prefill.tma_share, computed on the host for the steps that kernel would
     # take); None: not known.
     tma_share: float | None = None
+    # [num_seqs] int32 on the device, or None: the sequences by decreasing length, where the step's
+    # inputs carry it (StepBuffers sorts a decode step's lengths on the host, which costs a GPU step
+    # nothing; a sort on the device took ~20 us of a 256-sequence step). longest_first() uses it.
+    seq_order: torch.Tensor | None = None
     # What backends derive from the step once for all its layers (derived()); a copy made with
     # dataclasses.replace starts empty.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -104,6 +108,8 @@ class AttentionMetadata:
 
     def longest_first(self) -> torch.Tensor:
         """The sequence indices by decreasing length (int32, on the lengths' device)."""
+        if self.seq_order is not None:
+            return self.seq_order
         return self.derived("longest_first", lambda: torch.argsort(self.seq_lens, descending=True).to(torch.int32))
 
     def layout(self, kv_cache: torch.Tensor) -> KVCacheLayout:
