@@ -151,15 +151,7 @@ class StepGraphs:
     def _capture(self, forward: Forward, key: tuple[str, int], num_tokens: int, num_seqs: int,
                  max_query_len: int, max_seq_len: int, split_decodes: bool = True) -> None:
         b = self.buffers
-        views = b.views(num_tokens, num_seqs)
-        # All padding: the captures touch no real cache slot. (Layouts of other sizes overlap this
-        # one, so every array is set: token ids and positions index tables.)
-        views.input_ids.zero_()
-        views.positions.zero_()
-        views.slot_mapping.fill_(-1)
-        views.seq_lens.zero_()
-        views.query_start_loc.copy_(torch.linspace(0, num_tokens, num_seqs + 1, device=b.device).int())
-        views.num_active_seqs.fill_(num_seqs)
+        views = b.fill_padding(num_tokens, num_seqs)  # the captures touch no real cache slot
         inputs = (views.input_ids, views.positions)
         forward(*inputs, b.metadata(num_tokens, num_seqs, max_query_len, max_seq_len, split_decodes))  # warm-up
         graph = torch.cuda.CUDAGraph()

@@ -122,6 +122,21 @@ class StepBuffers:
                          seq_info[seqs + 1: 2 * seqs + 1], seq_info[2 * seqs + 1: 2 * seqs + 2],
                          seq_info[2 * seqs + 2:], view("sample_seeds"), view("temperature"))
 
+    def fill_padding(self, tokens: int, seqs: int) -> StepViews:
+        """Set a layout's every array on the device to a step of padding only (what a CUDA graph is
+        captured on): no cache slot written, every sequence empty. Layouts of other sizes overlap
+        this one, so whatever a load left here may be other arrays' bytes, and several arrays
+        index others (token ids the embedding, positions RoPE's tables, seq_order the sequences)."""
+        views = self.views(tokens, seqs)
+        views.input_ids.zero_()
+        views.positions.zero_()
+        views.slot_mapping.fill_(-1)
+        views.seq_lens.zero_()
+        views.query_start_loc.copy_(torch.linspace(0, tokens, seqs + 1, device=self.device).int())
+        views.num_active_seqs.fill_(seqs)
+        views.seq_order.copy_(torch.arange(seqs, dtype=torch.int32))
+        return views
+
     @functools.lru_cache(maxsize=_RING * 64)
     def _host_arrays(self, turn: int, tokens: int, seqs: int) -> dict[str, np.ndarray]:
         """A layout's arrays in host buffer `turn`, as numpy views to write into."""

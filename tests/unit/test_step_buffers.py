@@ -100,6 +100,21 @@ def test_loads_of_different_layouts_in_turn_each_read_what_they_wrote() -> None:
         assert buffers.forward_inputs[1].tolist() == [i, i + 1, 1, 2]
 
 
+def test_a_capture_layout_is_padding_only_whatever_a_load_left_there() -> None:
+    """A CUDA graph is captured on a layout of padding; a larger step loaded before has written its
+    own arrays over that layout's bytes, and every array the capture's kernels index by must be
+    valid again (token ids, positions, the decode order: out of range, the capture reads outside
+    its tables)."""
+    buffers = StepBuffers(64, 8, MAX_BLOCKS, torch.device("cpu"))
+    buffers.load(step_of([40, 20], [0, 0]))  # token ids 100..159 over the small layouts
+    views = buffers.fill_padding(4, 4)
+    metadata = buffers.metadata(4, 4, max_query_len=1, max_seq_len=16)
+    assert views.input_ids.tolist() == [0] * 4 and views.positions.tolist() == [0] * 4
+    assert metadata.slot_mapping.tolist() == [-1] * 4 and metadata.seq_lens.tolist() == [0] * 4
+    assert metadata.query_start_loc.tolist() == [0, 1, 2, 3, 4] and metadata.num_active_seqs.tolist() == [4]
+    assert sorted(metadata.longest_first().tolist()) == [0, 1, 2, 3]
+
+
 def test_long_prefill_steps_tma_share_is_computed_once(monkeypatch) -> None:
     """Where the Hopper prefill kernel serves, a long prefill step's TMA share (hopper_prefill.tma_share) is
     computed once (the graphs' bucket asks, then the eager step's metadata), and the step is taken
