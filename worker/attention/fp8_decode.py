@@ -14,6 +14,10 @@ bfloat16 queries, on compute capability 9.0 (the build is sm_90a). Everything el
 and so does any step when the build fails (the worker says why once). $MINIVLLM_FP8_DECODE_CUDA=0
 keeps Triton (for measuring).
 
+With PDL (worker/pdl.py) the kernel's CTAs start while the kernel before it (ops.norm_rope) still
+runs: they read the step's lengths, block tables and order and send their first cache copies,
+then wait for it before reading the query or any sequence's last block, which that kernel writes.
+
 A decode step that hands its attention q and k before their norm and RoPE (decode_attention's
 `rope`) gets them from ops.norm_rope's kernel first, which also stores this step's K/V, rotating
 the projection's output in place. Doing that inside this kernel (tried: the warp holding a
