@@ -12,31 +12,30 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.worker.fused_sampling import gumbel_max_sample
+from minivllm.worker.fused_sampling import _BLOCK, _noisy_block_best, gumbel_max_sample
 
 
 @triton.jit
 def _one_program_per_row(logits_ptr, stride_row, rows_ptr, temperature_ptr, seeds_ptr, out_ptr, vocab_size,
                          BLOCK: tl.constexpr):
+    """Row i's token, one program walking the whole row (the sampler's own block scoring, so the
+    draws are the same function of (seed, position): the tokens must be equal)."""
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i)
     temperature = tl.load(temperature_ptr + i)
     seed = tl.load(seeds_ptr + i)
-    greedy = temperature == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / temperature)
+    logits_row = logits_ptr + row.to(tl.int64) * stride_row
+    scale = tl.where(temperature == 0.0, 1.0, 1.4426950408889634 / temperature)
     best_score = float("-inf")
     best_index = 0
     for start in range(0, vocab_size, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < vocab_size
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=float("-inf"))
-        score = x.to(tl.float32) * inv_t
-        if not greedy:
-            u = tl.rand(seed, offs)
-            score += -tl.log(-tl.log(tl.maximum(u, 1e-12)))
-        score = tl.where(mask, score, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_index = start + tl.argmax(score, axis=0)
+        if temperature == 0.0:
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(logits_row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+            block_best = tl.max(x, axis=0)
+            block_index = start + tl.argmax(x, axis=0, tie_break_left=True)
+        else:
+            block_best, block_index = _noisy_block_best(logits_row, start, seed, scale, vocab_size, BLOCK)
         better = block_best > best_score
         best_index = tl.where(better, block_index, best_index)
         best_score = tl.where(better, block_best, best_score)
@@ -48,7 +47,7 @@ def one_program_per_row(logits, rows, temperature, seeds, out) -> None:
     _one_program_per_row[(len(rows),)](
         logits, logits.stride(0), torch.from_numpy(rows.astype(np.int64)).to(dev),
         torch.from_numpy(temperature.astype(np.float32)).to(dev), torch.from_numpy(seeds.astype(np.int64)).to(dev),
-        out, logits.shape[1], BLOCK=4096, num_warps=8)
+        out, logits.shape[1], BLOCK=_BLOCK, num_warps=4)
 
 
 def main() -> None:

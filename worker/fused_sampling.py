@@ -44,14 +44,43 @@ def _gumbel_log2(bits):
 
 
 @triton.jit
+def _noisy_block_best(logits_row, start, seed, scale, vocab_size, BLOCK: tl.constexpr):
+    """The best Gumbel-perturbed score (base 2: logit * scale + G / ln 2, scale = log2(e) / T) among
+    positions start .. start + BLOCK - 1 of a row, and its position (the earliest on a tie, which
+    noise makes all but impossible). One Philox call gives four draws, so the block is taken as four
+    quarters, each with one of the four; the counter is unique per position of the row."""
+    QUARTER: tl.constexpr = BLOCK // 4
+    j = tl.arange(0, QUARTER)
+    bits0, bits1, bits2, bits3 = tl.randint4x(seed, start // 4 + j)
+    offs0 = start + j
+    offs1 = offs0 + QUARTER
+    offs2 = offs1 + QUARTER
+    offs3 = offs2 + QUARTER
+    # (out-of-vocabulary positions load -inf and stay -inf: the noise is finite)
+    s0 = tl.load(logits_row + offs0, mask=offs0 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
+        + _gumbel_log2(bits0)
+    s1 = tl.load(logits_row + offs1, mask=offs1 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
+        + _gumbel_log2(bits1)
+    s2 = tl.load(logits_row + offs2, mask=offs2 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
+        + _gumbel_log2(bits2)
+    s3 = tl.load(logits_row + offs3, mask=offs3 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
+        + _gumbel_log2(bits3)
+    best = tl.maximum(tl.maximum(tl.max(s0, axis=0), tl.max(s1, axis=0)),
+                      tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
+    past = vocab_size + BLOCK
+    index = tl.minimum(tl.minimum(tl.min(tl.where(s0 == best, offs0, past), axis=0),
+                                  tl.min(tl.where(s1 == best, offs1, past), axis=0)),
+                       tl.minimum(tl.min(tl.where(s2 == best, offs2, past), axis=0),
+                                  tl.min(tl.where(s3 == best, offs3, past), axis=0)))
+    return best, index
+
+
+@triton.jit
 def _gumbel_max_chunk_kernel(logits_ptr, stride_row, rows_ptr, temperature_ptr, seeds_ptr,
                              chunk_score_ptr, chunk_index_ptr, vocab_size, num_chunks,
                              CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (i, c): the best Gumbel-perturbed score of row i within vocabulary chunk c.
-
-    Scores are in base-2 units (logits / T / ln 2 + G / ln 2: the same argmax). One Philox call
-    gives four uniforms, so a block is taken as four quarters, each with one of the four.
-    """
+    """Program (i, c): the best Gumbel-perturbed score of row i within vocabulary chunk c (base-2
+    units, _noisy_block_best; temperature-0 rows: the plain logits)."""
     i = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(rows_ptr + i)
@@ -60,43 +89,20 @@ def _gumbel_max_chunk_kernel(logits_ptr, stride_row, rows_ptr, temperature_ptr, 
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     best_score = float("-inf")
     best_index = 0
+    # (ties keep the earlier index, as one pass over the row would)
     if temperature == 0.0:
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(logits_row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
             block_best = tl.max(x, axis=0)
             block_index = start + tl.argmax(x, axis=0, tie_break_left=True)
-            better = block_best > best_score  # ties keep the earlier index, as one pass over the row would
+            better = block_best > best_score
             best_index = tl.where(better, block_index, best_index)
             best_score = tl.where(better, block_best, best_score)
     else:
         scale = 1.4426950408889634 / temperature
-        QUARTER: tl.constexpr = BLOCK // 4
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            j = tl.arange(0, QUARTER)
-            bits0, bits1, bits2, bits3 = tl.randint4x(seed, start // 4 + j)  # counters unique per row
-            offs0 = start + j
-            offs1 = offs0 + QUARTER
-            offs2 = offs1 + QUARTER
-            offs3 = offs2 + QUARTER
-            # (out-of-vocabulary positions load -inf and stay -inf: the noise is finite)
-            s0 = tl.load(logits_row + offs0, mask=offs0 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-                + _gumbel_log2(bits0)
-            s1 = tl.load(logits_row + offs1, mask=offs1 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-                + _gumbel_log2(bits1)
-            s2 = tl.load(logits_row + offs2, mask=offs2 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-                + _gumbel_log2(bits2)
-            s3 = tl.load(logits_row + offs3, mask=offs3 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-                + _gumbel_log2(bits3)
-            block_best = tl.maximum(tl.maximum(tl.max(s0, axis=0), tl.max(s1, axis=0)),
-                                    tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
-            # the earliest index holding the block's best (a tie is all but impossible with noise)
-            first = vocab_size + BLOCK
-            block_index = tl.minimum(
-                tl.minimum(tl.min(tl.where(s0 == block_best, offs0, first), axis=0),
-                           tl.min(tl.where(s1 == block_best, offs1, first), axis=0)),
-                tl.minimum(tl.min(tl.where(s2 == block_best, offs2, first), axis=0),
-                           tl.min(tl.where(s3 == block_best, offs3, first), axis=0)))
+            block_best, block_index = _noisy_block_best(logits_row, start, seed, scale, vocab_size, BLOCK)
             better = block_best > best_score
             best_index = tl.where(better, block_index, best_index)
             best_score = tl.where(better, block_best, best_score)
