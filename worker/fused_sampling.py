@@ -10,7 +10,7 @@ so its tokens do not depend on the rest of the batch. Temperature 0 rows take th
 Computing the noise, not reading the logits, is this kernel's cost: with one Philox call per
 position and libdevice's logs it took 203 us for 256 rows of a 152k vocabulary on an H100 (a
 decode step of that batch is ~5.5-9 ms); one call per four positions and the hardware's log2
-approximation take it to ~88 us (benchmarks/RESULTS.md).
+approximation take it to ~85 us (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
