@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from minivllm.worker.fused_sampling import _BLOCK, _noisy_block_best, gumbel_max_sample
+from minivllm.worker.fused_sampling import _BLOCK, _block_best, _noisy_block_best, gumbel_max_sample
 
 
 @triton.jit
@@ -30,10 +30,7 @@ def _one_program_per_row(logits_ptr, stride_row, rows_ptr, temperature_ptr, seed
     best_index = 0
     for start in range(0, vocab_size, BLOCK):
         if temperature == 0.0:
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(logits_row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-            block_best = tl.max(x, axis=0)
-            block_index = start + tl.argmax(x, axis=0, tie_break_left=True)
+            block_best, block_index = _block_best(logits_row, start, vocab_size, BLOCK)
         else:
             block_best, block_index = _noisy_block_best(logits_row, start, seed, scale, vocab_size, BLOCK)
         better = block_best > best_score

@@ -44,6 +44,15 @@ def _gumbel_log2(bits):
 
 
 @triton.jit
+def _block_best(logits_row, start, vocab_size, BLOCK: tl.constexpr):
+    """The largest logit among positions start .. start + BLOCK - 1 of a row, and its position (the
+    earliest on a tie): a greedy row's share of a block."""
+    offs = start + tl.arange(0, BLOCK)
+    x = tl.load(logits_row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+    return tl.max(x, axis=0), start + tl.argmax(x, axis=0, tie_break_left=True)
+
+
+@triton.jit
 def _noisy_block_best(logits_row, start, seed, scale, vocab_size, BLOCK: tl.constexpr):
     """The best Gumbel-perturbed score (base 2: logit * scale + G / ln 2, scale = log2(e) / T) among
     positions start .. start + BLOCK - 1 of a row, and its position (the earliest on a tie, which
@@ -92,10 +101,7 @@ def _gumbel_max_chunk_kernel(logits_ptr, stride_row, rows_ptr, temperature_ptr, 
     # (ties keep the earlier index, as one pass over the row would)
     if temperature == 0.0:
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(logits_row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-            block_best = tl.max(x, axis=0)
-            block_index = start + tl.argmax(x, axis=0, tie_break_left=True)
+            block_best, block_index = _block_best(logits_row, start, vocab_size, BLOCK)
             better = block_best > best_score
             best_index = tl.where(better, block_index, best_index)
             best_score = tl.where(better, block_best, best_score)
