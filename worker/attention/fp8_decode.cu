@@ -290,10 +290,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   // query and each sequence's newest key and value, which sit in its last block; the lengths, block
   // tables and order are step inputs. So the ring's first copies go out before waiting for that
   // kernel, unless they are of the last block.
-  int m = 0;
-  for (; m < kStages - 1 && (m >= my_blocks || first + kWarps * m < num_blocks - 1); ++m) copy(m);
+  int staged = 0;
+  for (; staged < kStages - 1 && (staged >= my_blocks || first + kWarps * staged < num_blocks - 1); ++staged)
+    copy(staged);
   wait_for_previous_kernel();
-  for (; m < kStages - 1; ++m) copy(m);
+  for (; staged < kStages - 1; ++staged) copy(staged);
 
   // The lane's query row g, in the order its key bytes feed the K-steps (0 for padding rows).
   uint32_t query[8][2];
@@ -320,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   st.sum[0] = st.sum[1] = 0.f;
   st.ref = 0.f;
 
-  for (m = 0; m < my_blocks; ++m) {
+  for (int m = 0; m < my_blocks; ++m) {
     cp_async_wait<kStages - 2>();  // block m has landed (this lane's copies)
     __syncwarp();  // ... and every lane's; and all are done reading block m - 1's stage
     copy(m + kStages - 1);  // into that stage
