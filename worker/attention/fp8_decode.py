@@ -66,7 +66,8 @@ def load_library(path: str) -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (said once, in the log)."""
-    return library_or_none(SOURCE, "minivllm_fp8_decode", "FP8 decode attention kernel", load_library, "FP8 decode stays on Triton")
+    return library_or_none(SOURCE, "minivllm_fp8_decode", "FP8 decode attention kernel", load_library,
+                           "FP8 decode stays on Triton")
 
 
 def serves(dtype: torch.dtype, num_heads: int, layout: KVCacheLayout, device: torch.device) -> bool:

@@ -68,7 +68,8 @@ def load_library(path: str) -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (said once, in the log)."""
-    return library_or_none(SOURCE, "minivllm_hopper_prefill", "Hopper prefill attention kernel", load_library, "prefill attention stays on Triton")
+    return library_or_none(SOURCE, "minivllm_hopper_prefill", "Hopper prefill attention kernel", load_library,
+                           "prefill attention stays on Triton")
 
 
 def _serves(dtype: torch.dtype, layout: KVCacheLayout, device: torch.device) -> bool:
