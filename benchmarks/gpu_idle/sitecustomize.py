@@ -44,7 +44,8 @@ def _patch(runner_class) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     steps, min_new = int(os.environ["MINIVLLM_GPU_IDLE_STEPS"]), int(os.environ.get("MINIVLLM_GPU_IDLE_MIN_NEW", "8"))
-    state: dict = {"profiler": None, "done": 0, "steps": []}
+    skip = int(os.environ.get("MINIVLLM_GPU_IDLE_SKIP", "0"))  # steps after the first measured one, unprofiled
+    state: dict = {"profiler": None, "done": 0, "steps": [], "started": False, "skipped": 0}
 
     def named(name: str, function):
         def call(*args, **kwargs):
@@ -57,7 +58,11 @@ def _patch(runner_class) -> None:
     run_step = runner_class.run_step
 
     def profiled_run_step(self, scheduler_output):
-        if state["profiler"] is None and not state["done"] and len(scheduler_output.scheduled_new_reqs) > min_new:
+        if not state["started"] and len(scheduler_output.scheduled_new_reqs) > min_new:
+            state["started"] = True
+        if state["started"] and state["profiler"] is None and not state["done"] and state["skipped"] < skip:
+            state["skipped"] += 1
+        elif state["started"] and state["profiler"] is None and not state["done"]:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             state["profiler"] = profile(activities=activities)
             state["profiler"].__enter__()
@@ -98,6 +103,15 @@ def report(events, steps: list) -> None:
             end = max(end, e)
     busy += end - start
     span = end - kernels[0][0]
+    by_name: dict[str, list[float]] = {}
+    for s, e, name in kernels:
+        entry = by_name.setdefault(name[:70], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e - s
+    total = sum(t for _, t in by_name.values())
+    print(f"GPU_IDLE kernel time by name ({total / 1e3:.1f} ms in all):", flush=True)
+    for name, (count, spent) in sorted(by_name.items(), key=lambda item: -item[1][1])[:25]:
+        print(f"GPU_IDLE   {spent / 1e3:9.2f} ms {count:6d}x  {name}", flush=True)
     print(f"GPU_IDLE {len(steps)} steps: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle "
           f"{(span - busy) / 1e3:.1f} ms ({sum(g for g, _, _ in gaps if g > 1000) / 1e3:.1f} ms in gaps over 1 ms)",
           flush=True)
