@@ -18,6 +18,7 @@ from minivllm.worker.attention.triton_attention import (  # noqa: E402
     DECODE,
     DECODE_FP8,
     PREFILL,
+    PREFILL_FP8,
     PREFILL_SHORT,
     PREFILL_TINY,
     _SPLIT_SCRATCH,
@@ -32,6 +33,9 @@ from minivllm.worker.attention.triton_attention import (  # noqa: E402
 # lengths on and off block boundaries.
 MIXED = [(0, 37), (16, 16), (0, 1), (100, 1), (31, 1), (64, 70), (5, 200), (1000, 1), (15, 2)]
 DECODES = [(n, 1) for n in (1, 15, 16, 17, 63, 64, 65, 300, 1025)]
+# A step over PREFILL_FP8's token count: an FP8 cache's fresh prompts and its chunks after a cached
+# context then go to two launches (paged_attention).
+LARGE_MIXED = MIXED + [(0, 700), (300, 400), (0, 129)]
 
 
 BLOCK_ORDERS = ("scattered", "ascending", "descending", "shuffled")
@@ -117,7 +121,7 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("heads_per_kv", [1, 4])
 @pytest.mark.parametrize("block_size", [16, 32, 7])
-@pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
+@pytest.mark.parametrize("cases", [MIXED, DECODES, LARGE_MIXED], ids=["mixed", "decode", "large"])
 def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True, num_splits=None) -> None:
     """kv_cache_dtype="fp8": store_kv quantizes as the reference does (to within one e4m3 step
     where float division rounds differently), and the kernel attends over exactly what the cache
@@ -162,7 +166,10 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True
 
     # As the model calls it: a chunk of several tokens attends its own keys unquantized (k, v),
     # the context before it as the cache holds it; a decode reads its key from the cache (in the
-    # decode kernel; the prefill kernel takes it as a one-token chunk).
+    # decode kernel; the prefill kernel takes it as a one-token chunk). A large step's chunks
+    # without a cached context go to the plain kernel.
+    if cases is LARGE_MIXED:
+        assert prefill_config(q.shape[0], dtype, head_dim, True) is PREFILL_FP8
     plain = torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), device="cuda")
     plain[0] = dequantize(views.key, views.key_scale, torch.float32)
     plain[1] = dequantize(views.value, views.value_scale, torch.float32)

@@ -399,6 +399,12 @@ def _attend_key_tile(
     return acc, l_i, m_new
 
 
+# Which sequences a prefill launch takes (the kernel's WHICH_SEQS; paged_attention).
+ALL_SEQS: tl.constexpr = tl.constexpr(0)
+CACHED_SEQS: tl.constexpr = tl.constexpr(1)
+FRESH_SEQS: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -413,7 +419,7 @@ def _paged_attention_kernel(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
-    SPLIT_DECODES: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLIT_DECODES: tl.constexpr, NUM_SPLITS: tl.constexpr, WHICH_SEQS: tl.constexpr = ALL_SEQS,
 ):
     """SPLIT_DECODES: one-token sequences are the decode kernel's (else this kernel takes them too).
     NUM_SPLITS > 1 (program_id(1) is the split): a sequence's cached context, the whole key tiles
@@ -427,7 +433,9 @@ def _paged_attention_kernel(
     FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
     [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
     Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
-    have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched."""
+    have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched.
+    WHICH_SEQS: ALL_SEQS, or only the sequences with a context cached before their chunk
+    (CACHED_SEQS), or only those without one (FRESH_SEQS); the others' programs exit."""
     # Programs run roughly in launch order, and a causal tile's work grows with its position, so
     # the last tiles go first (every KV head's) and the short ones fill the tail. Sequence s owns
     # tiles up to query_start_loc[s + 1] // BLOCK_Q + s, so the active ones own fewer than
@@ -452,6 +460,10 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens cached before this step's chunk
+    if WHICH_SEQS == CACHED_SEQS and context_len <= 0:
+        return
+    if WHICH_SEQS == FRESH_SEQS and context_len > 0:
+        return
     split = 0
     num_used = 1
     if NUM_SPLITS > 1:
@@ -868,6 +880,12 @@ def prefill_config(num_tokens: int, dtype: torch.dtype, head_dim: int, fp8: bool
 
 # An FP8 cache's prefill reads a chunk's own keys from the step's key/value ("0": from the cache).
 PREFILL_FRESH_KV = os.environ.get("MINIVLLM_PREFILL_FRESH_KV", "1") != "0"
+# ... and a large step's sequences without a cached context run on the plain kernel, at this shape
+# ($MINIVLLM_PREFILL_FRESH_SEQS_PLAIN=0: every sequence on the FP8 kernel, for measuring). H100, in
+# CUDA graphs, 16,384 tokens of 100-1,024-token prompts: 218 us a layer against 324 on the FP8
+# kernel alone (bf16 cache: 194; PREFILL's shape here 273); 8,192 of 562-token prompts 102 against 156.
+PREFILL_FRESH_SEQS_PLAIN = os.environ.get("MINIVLLM_PREFILL_FRESH_SEQS_PLAIN", "1") != "0"
+PREFILL_FP8_FRESH = PrefillConfig(128, 32, 8, 3, 128)
 
 
 class DecodeConfig(NamedTuple):
@@ -1096,41 +1114,54 @@ def paged_attention(
         raise ValueError("num_splits > 1 needs metadata.split_decodes False (the decode kernel's rows are not split)")
     if config is None and num_splits == 1 and hopper_prefill.supports(query, layout, metadata):
         return hopper_prefill.prefill_attention(query, kv_cache, layout, metadata, scale, out)
-    if config is None:
-        config = prefill_config(num_tokens, query.dtype, head_dim, layout.fp8, num_splits > 1)
-    block_m = max(config.block_m, triton.next_power_of_2(heads_per_kv))
-    block_q = max(1, block_m // heads_per_kv)
-    num_seqs = metadata.num_seqs
-    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads, num_splits)
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    if num_splits > 1:
-        scratch = _split_scratch(num_tokens, num_heads, num_splits, head_dim_padded, grid[0], query.device)
-        splits_args = (scratch.partial_out, scratch.partial_max, scratch.partial_sum, scratch.arrivals, num_heads)
-    else:
-        splits_args = (out,) * 4 + (num_heads,)  # unused
     views = layout.split(kv_cache)
-    k_scale, v_scale = _scales(views)
     fresh_kv = key is not None and value is not None and layout.fp8 and PREFILL_FRESH_KV
     if fresh_kv and (key.stride(2) != 1 or value.stride(2) != 1 or key.dtype != query.dtype):
         raise ValueError("key and value must be [num_tokens, num_kv_heads, head_dim] with unit stride along "
                          f"head_dim, in the query's dtype ({query.dtype})")
     if not fresh_kv:
         key = value = query  # unused
-    _paged_attention_kernel[grid](
-        out, query, key, value, views.key, views.value, k_scale, v_scale,
-        metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        metadata.num_active_seqs if metadata.num_active_seqs is not None else metadata.seq_lens,
-        scale * 1.4426950408889634, num_seqs, num_kv_heads,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views),
-        metadata.block_tables.stride(0), *splits_args,
-        HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        IEEE_FP32=query.dtype == torch.float32, FP8=layout.fp8, FRESH_KV=fresh_kv,
-        ACTIVE_SEQS=metadata.num_active_seqs is not None, SPLIT_DECODES=metadata.split_decodes,
-        NUM_SPLITS=num_splits, num_warps=config.num_warps, num_stages=config.num_stages,
-        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
-    )
+    # Each launch: (tile shape, whether it reads an FP8 cache, which sequences it takes).
+    if config is not None:
+        launches = [(config, layout.fp8, ALL_SEQS)]
+    else:
+        config = prefill_config(num_tokens, query.dtype, head_dim, layout.fp8, num_splits > 1)
+        launches = [(config, layout.fp8, ALL_SEQS)]
+        if fresh_kv and config is PREFILL_FP8 and num_splits == 1 and PREFILL_FRESH_SEQS_PLAIN:
+            # A large step's fresh prompts never read the e4m3 cache, yet in the FP8 kernel they
+            # run at its shape and register budget (255 registers, one program an SM). They go to
+            # the plain kernel (its cache loops have nothing to read), the chunks after a cached
+            # context to the FP8 one, whose programs for fresh prompts exit (~15 us a layer).
+            launches = [(PREFILL_FP8_FRESH, False, FRESH_SEQS), (config, True, CACHED_SEQS)]
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    for tiles, fp8, which in launches:
+        block_m = max(tiles.block_m, triton.next_power_of_2(heads_per_kv))
+        block_q = max(1, block_m // heads_per_kv)
+        grid = ((num_tokens // block_q + metadata.num_seqs) * num_kv_heads, num_splits)
+        if num_splits > 1:
+            scratch = _split_scratch(num_tokens, num_heads, num_splits, head_dim_padded, grid[0], query.device)
+            splits_args = (scratch.partial_out, scratch.partial_max, scratch.partial_sum, scratch.arrivals, num_heads)
+        else:
+            splits_args = (out,) * 4 + (num_heads,)  # unused
+        # (A launch without the FP8 cache's loads is compiled as a plain cache's: this step's own
+        # key and value stand in for the cache and its scales, never read there.)
+        k_cache, v_cache = (views.key, views.value) if fp8 or not layout.fp8 else (key, value)
+        k_scale, v_scale = _scales(views) if fp8 else (k_cache, v_cache)
+        _paged_attention_kernel[grid](
+            out, query, key, value, k_cache, v_cache, k_scale, v_scale,
+            metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            metadata.num_active_seqs if metadata.num_active_seqs is not None else metadata.seq_lens,
+            scale * 1.4426950408889634, metadata.num_seqs, num_kv_heads,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views),
+            metadata.block_tables.stride(0), *splits_args,
+            HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+            IEEE_FP32=query.dtype == torch.float32, FP8=fp8, FRESH_KV=fresh_kv,
+            ACTIVE_SEQS=metadata.num_active_seqs is not None, SPLIT_DECODES=metadata.split_decodes,
+            NUM_SPLITS=num_splits, WHICH_SEQS=which, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}),
+        )
     return out
 
 
