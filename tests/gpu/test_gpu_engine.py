@@ -57,16 +57,19 @@ def test_cuda_graphs_equal_eager_bf16(tiny_model_factory) -> None:
     assert generate(model_dir, device="cuda") == generate(model_dir, device="cuda", enforce_eager=True)
 
 
-def test_fp8_cache_decodes_in_cuda_graphs_as_eagerly(tiny_model_factory) -> None:
+@pytest.mark.parametrize("max_num_batched_tokens", [1024, 2048])
+def test_fp8_cache_decodes_in_cuda_graphs_as_eagerly(tiny_model_factory, max_num_batched_tokens: int) -> None:
     """kv_cache_dtype="fp8" at head_dim 128 with 24 sequences decoding: on an H100/H200 those steps go
     to the CUDA kernel (worker/attention/fp8_decode.cu, after ops.norm_rope); captured in CUDA graphs
-    it gives the tokens it gives eagerly."""
+    it gives the tokens it gives eagerly. With a budget of 2,048 the prompt steps are large enough
+    that their fresh prompts and their chunks after a cached context attend in two launches
+    (triton_attention.paged_attention)."""
     model_dir = tiny_model_factory("qwen3", head_dim=128)
     prompts = [{"prompt_token_ids": [(11 * i + 3 * j) % 400 + 1 for j in range(17 + 9 * i)]} for i in range(24)]
 
     def fp8_tokens(**kwargs) -> list[list[int]]:
         with LLM(model_dir, device="cuda", kv_cache_dtype="fp8", max_model_len=512, max_num_seqs=32,
-                 max_num_batched_tokens=1024, **kwargs) as llm:
+                 max_num_batched_tokens=max_num_batched_tokens, **kwargs) as llm:
             return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
     assert fp8_tokens() == fp8_tokens(enforce_eager=True)
