@@ -20,6 +20,7 @@ from tests.gpu.test_triton_attention import (  # noqa: E402
     cache_in_layout,
     decode_metadata_with_padding,
     make_batch,
+    with_graph_padding,
 )
 
 # Enough sequences for the kernel (fp8_decode.MIN_SEQS): lengths on and off block boundaries, up to 5,000.
@@ -68,6 +69,48 @@ def test_kernel_equals_reference_and_triton(kernel, dtype, heads_per_kv, num_spl
     triton_out = decode_attention(q, cache, metadata, scale, num_splits=num_splits)
     difference = (out.float() - triton_out.float()).abs().max().item()
     assert difference < 2e-2 * expected[:-2].abs().max().item(), difference
+
+
+# A step with prefill chunks (with and without a cached context) among enough decodes for the kernel.
+MIXED_STEP = [(0, 37)] + LONG_DECODES + [(64, 70), (5, 200)] + LONG_DECODES + [(15, 2), (1000, 1)]
+
+
+@pytest.mark.parametrize("heads_per_kv", [1, 2, 8])
+@pytest.mark.parametrize("pad_tokens", [0, 1, 3])
+def test_mixed_step_decodes(kernel, monkeypatch, heads_per_kv, pad_tokens) -> None:
+    """A mixed step's one-token sequences (decode_attention's `mixed`) go to the kernel, which finds
+    each one's query row through query_start_loc: those rows equal the reference and Triton's, the
+    chunks' rows are left alone, and a CUDA graph's padding (a sequence of pad_tokens tokens and
+    length 0, then empty sequences) comes out zero where it is one token."""
+    q, cache, layout, plain = fp8_batch(MIXED_STEP, heads_per_kv, seed=3 + heads_per_kv)
+    metadata = dataclasses.replace(plain, kv_layout=layout)
+    expected = reference_attention(q.float(), cache, metadata, 128**-0.5)
+    num_tokens = q.shape[0]
+    if pad_tokens:
+        metadata = dataclasses.replace(with_graph_padding(plain, num_tokens, pad_tokens), kv_layout=layout)
+        q = torch.cat([q, torch.randn_like(q[:pad_tokens])])
+    query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
+    decode_rows = torch.repeat_interleave(query_lens == 1, query_lens, output_size=q.shape[0])
+    real_decodes = decode_rows.clone()
+    real_decodes[num_tokens:] = False
+    assert fp8_decode.supports(q, layout, metadata.num_seqs)
+    calls = []
+    cuda_decode = fp8_decode.decode
+    monkeypatch.setattr(fp8_decode, "decode", lambda *args, **kwargs: calls.append(kwargs) or cuda_decode(*args, **kwargs))
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, metadata, 128**-0.5, out=out, mixed=True)
+    assert [c.get("mixed") for c in calls] == [True]
+    assert out[~decode_rows].isnan().all()
+    assert torch.equal(out[decode_rows & ~real_decodes], torch.zeros_like(out[decode_rows & ~real_decodes]))
+    error = (out[real_decodes].float() - expected[real_decodes[:num_tokens]]).norm(dim=-1) / \
+        expected[real_decodes[:num_tokens]].norm(dim=-1)
+    assert error.max() < 1e-2, f"relative error {error.max():.2e}"
+    fp8_decode.ENABLED = False
+    triton_out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, metadata, 128**-0.5, out=triton_out, mixed=True)
+    assert len(calls) == 1
+    difference = (out[decode_rows].float() - triton_out[decode_rows].float()).abs().max().item()
+    assert difference < 2e-2 * expected.abs().max().item(), difference
 
 
 def test_many_sequences_longest_first(kernel) -> None:

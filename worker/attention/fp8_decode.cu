@@ -70,6 +70,9 @@ struct Params {
   int64_t block_table_stride;
   const int* seq_lens;
   const int* seq_order;  // nullptr: program y is sequence y
+  // nullptr: sequence s's query and output are row s (a decode-only step). Else a mixed step's: row
+  // query_start_loc[s], and only one-token sequences are attended (the prefill kernel takes the rest).
+  const int* query_start_loc;
   int group;  // query heads per KV head
   float scale_log2;
   int num_splits;
@@ -264,6 +267,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
+  int row = seq;
+  if (p.query_start_loc != nullptr) {
+    row = p.query_start_loc[seq];
+    if (p.query_start_loc[seq + 1] - row != 1) return;  // a prefill chunk (or an empty padding sequence)
+  }
   const int seq_len = p.seq_lens[seq];
   const int num_blocks = (seq_len + kBlockSize - 1) / kBlockSize;
   const int blocks_per_split = (num_blocks + p.num_splits - 1) / p.num_splits;
@@ -301,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   {
     float lo[16], hi[16];
     const int head = kv_head * p.group + min(g, p.group - 1);  // (padding rows: a real row, zeroed below)
-    load_head_dims(static_cast<const T*>(p.query) + seq * p.query_stride_token + head * p.query_stride_head, t, lo,
+    load_head_dims(static_cast<const T*>(p.query) + row * p.query_stride_token + head * p.query_stride_head, t, lo,
                    hi);
 #pragma unroll
     for (int step = 0; step < 8; ++step) {
@@ -371,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
     }
     const int head = kv_head * p.group + q;
     if (p.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + seq * p.out_stride_token + head * p.out_stride_head;
+      T* out = static_cast<T*>(p.out) + row * p.out_stride_token + head * p.out_stride_head;
       out[dim] = T(sum > 0.f ? acc / sum : 0.f);
     } else {  // the partial state _combine_splits_kernel merges; an empty split: max -inf, sum 0
       const int64_t state = (static_cast<int64_t>(seq) * gridDim.x * p.group + head) * p.num_splits + split;
@@ -393,8 +401,8 @@ extern "C" int minivllm_fp8_decode(
     const void* value_cache, const void* key_scale, const void* value_scale, int64_t stride_block,
     int64_t stride_key_slot, int64_t stride_key_head, int64_t stride_value_head, int64_t stride_scale_block,
     int64_t stride_scale_head, const int* block_tables, int64_t block_table_stride, const int* seq_lens,
-    const int* seq_order, float scale_log2, int num_splits, void* partial_out, void* partial_max, void* partial_sum,
-    int pdl, void* stream, char* error, int error_len) {
+    const int* seq_order, const int* query_start_loc, float scale_log2, int num_splits, void* partial_out,
+    void* partial_max, void* partial_sum, int pdl, void* stream, char* error, int error_len) {
   if (group < 1 || group > kMaxGroup) {
     snprintf(error, error_len, "query heads per KV head must be 1 to %d, got %d", kMaxGroup, group);
     return 1;
@@ -403,12 +411,16 @@ extern "C" int minivllm_fp8_decode(
     snprintf(error, error_len, "num_splits (%d) and num_seqs (%d) must be 1 to 65535", num_splits, num_seqs);
     return 1;
   }
+  if (query_start_loc != nullptr && num_splits != 1) {
+    snprintf(error, error_len, "a mixed step's decodes (query_start_loc) take one split, got %d", num_splits);
+    return 1;
+  }
   if (num_seqs == 0) return 0;
   Params p{out, out_stride_token, out_stride_head, query, query_stride_token, query_stride_head,
            static_cast<const uint8_t*>(key_cache), static_cast<const uint8_t*>(value_cache),
            static_cast<const float*>(key_scale), static_cast<const float*>(value_scale), stride_block,
            stride_key_slot, stride_key_head, stride_value_head, stride_scale_block, stride_scale_head, block_tables,
-           block_table_stride, seq_lens, seq_order, group, scale_log2, num_splits,
+           block_table_stride, seq_lens, seq_order, query_start_loc, group, scale_log2, num_splits,
            static_cast<float*>(partial_out), static_cast<float*>(partial_max), static_cast<float*>(partial_sum)};
   static bool configured = false;
   if (!configured) {

@@ -8,11 +8,12 @@ shared-memory stages, two blocks ahead of the math, and reads them from there in
 tensor cores take them, with the queries as the product's narrow side (its header says how): the
 cache at ~2.6 TB/s, 85% of the DRAM bandwidth by ncu (Triton's: 78%, bf16: 88%).
 
-It serves decode-only steps (one query token per sequence) of at least MIN_SEQS sequences over FP8
-caches with head_dim 128, blocks of 16 slots and at most 8 query heads per KV head, for float16 or
-bfloat16 queries, on compute capability 9.0 (the build is sm_90a). Everything else stays on Triton,
-and so does any step when the build fails (the worker says why once). $MINIVLLM_FP8_DECODE_CUDA=0
-keeps Triton (for measuring).
+It serves steps of at least MIN_SEQS sequences over FP8 caches with head_dim 128, blocks of 16
+slots and at most 8 query heads per KV head, for float16 or bfloat16 queries, on compute capability
+9.0 (the build is sm_90a): decode-only steps (one query token per sequence), and the decodes of
+steps with prefill chunks (each sequence's query row from query_start_loc; the chunks' programs
+exit). Everything else stays on Triton, and so does any step when the build fails (the worker says
+why once). $MINIVLLM_FP8_DECODE_CUDA=0 keeps Triton (for measuring).
 
 With PDL (worker/pdl.py) the kernel's CTAs start while the kernel before it (ops.norm_rope) still
 runs: they read the step's lengths, block tables and order and send their first cache copies,
@@ -58,7 +59,7 @@ def load_library(path: str) -> ctypes.CDLL:
     fn = lib.minivllm_fp8_decode
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                   ptr, i64, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr, i32, ptr, ctypes.c_char_p, i32]
+                   ptr, i64, ptr, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr, i32, ptr, ctypes.c_char_p, i32]
     fn.restype = i32
     return lib
 
@@ -79,8 +80,8 @@ def serves(dtype: torch.dtype, num_heads: int, layout: KVCacheLayout, device: to
 
 
 def supports(query: torch.Tensor, layout: KVCacheLayout, num_seqs: int) -> bool:
-    """Whether a decode-only step of num_seqs sequences (query [num_seqs, num_heads, head_dim]) goes to
-    the kernel."""
+    """Whether a step of num_seqs sequences goes to the kernel: a decode-only step (query [num_seqs,
+    num_heads, head_dim]), or a mixed step's decodes (decode's `mixed`)."""
     return (num_seqs >= MIN_SEQS and serves(query.dtype, query.shape[1], layout, query.device)
             and query.stride(2) == 1 and library() is not None)
 
@@ -100,18 +101,22 @@ def _check_views(views: KVCacheViews) -> None:
 def decode(query: torch.Tensor, views: KVCacheViews, layout: KVCacheLayout, metadata: AttentionMetadata,
            scale: float, out: torch.Tensor, num_splits: int, seq_order: torch.Tensor | None,
            partial_out: torch.Tensor | None = None, partial_max: torch.Tensor | None = None,
-           partial_sum: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> None:
+           partial_sum: torch.Tensor | None = None, lib: ctypes.CDLL | None = None, mixed: bool = False) -> None:
     """Row i of out = sequence i's query heads attending its cached keys (supports() must hold). With
     num_splits > 1 it writes each split's partial state instead ([seq, head, split] maxima and sums
     in base 2, [seq, head, split, head_dim] unnormalized outputs), for triton_attention's
     _combine_splits_kernel. seq_order: the order the sequences start in (None: as they come).
+    mixed: a step with prefill chunks; its one-token sequences' rows (metadata.query_start_loc) are
+    attended, in one split, and the other rows are left alone.
     lib: another build of the kernel (load_library's), else library()."""
     _check_views(views)
+    query_start_loc = metadata.query_start_loc if mixed else None
     num_seqs, num_heads = metadata.num_seqs, query.shape[1]
     if out.dtype != query.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {query.dtype} with unit stride along head_dim, got {out.dtype} {out.stride()}")
     tables = metadata.block_tables
-    for name, array in (("block_tables", tables), ("seq_lens", metadata.seq_lens), ("seq_order", seq_order)):
+    for name, array in (("block_tables", tables), ("seq_lens", metadata.seq_lens), ("seq_order", seq_order),
+                        ("query_start_loc", query_start_loc)):
         if array is not None and (array.dtype != torch.int32 or array.stride(-1) != 1):
             raise ValueError(f"{name} must be int32 with unit stride along its last dim, got {array.dtype} "
                              f"{array.stride()}")
@@ -125,7 +130,8 @@ def decode(query: torch.Tensor, views: KVCacheViews, layout: KVCacheLayout, meta
         key.data_ptr(), value.data_ptr(), key_scale.data_ptr(), value_scale.data_ptr(),
         key.stride(0), key.stride(1), key.stride(2), value.stride(2), key_scale.stride(0), key_scale.stride(2),
         tables.data_ptr(), tables.stride(0), metadata.seq_lens.data_ptr(),
-        seq_order.data_ptr() if seq_order is not None else None, scale * 1.4426950408889634, num_splits,
+        seq_order.data_ptr() if seq_order is not None else None,
+        query_start_loc.data_ptr() if query_start_loc is not None else None, scale * 1.4426950408889634, num_splits,
         *((t.data_ptr() for t in (partial_out, partial_max, partial_sum)) if num_splits > 1 else (None,) * 3),
         int(pdl.enabled(query.device)), torch.cuda.current_stream(query.device).cuda_stream, error, _ERROR_BYTES)
     if status != 0:

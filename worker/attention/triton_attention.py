@@ -934,9 +934,9 @@ def decode_attention(
     norm and RoPE, and this step's K/V are not in the cache yet: the kernel norms and rotates them
     and stores k and v itself (no norm_rope kernel before it).
 
-    FP8 caches: steps of at least fp8_decode.MIN_SEQS sequences go to the CUDA kernel
-    (fp8_decode.py) where it serves; with `rope`, ops.norm_rope rotates q and k in place and stores
-    this step's K/V before it."""
+    FP8 caches: steps of at least fp8_decode.MIN_SEQS sequences (mixed ones too) go to the CUDA
+    kernel (fp8_decode.py) where it serves; with `rope`, ops.norm_rope rotates q and k in place and
+    stores this step's K/V before it."""
     num_tokens, num_heads, head_dim = query.shape
     layout = metadata.layout(kv_cache)
     num_kv_heads = layout.num_kv_heads
@@ -972,14 +972,14 @@ def decode_attention(
     if not mixed and num_splits == 1 and config.longest_first and \
             num_seqs * num_kv_heads > pdl.num_sms(query.device.index or 0):
         seq_order = metadata.longest_first()
-    if not mixed and fp8_decode.supports(query, layout, num_seqs):  # the CUDA kernel (fp8_decode.py)
+    if fp8_decode.supports(query, layout, num_seqs):  # the CUDA kernel (fp8_decode.py)
         if rope is not None:  # the kernel takes q rotated and this step's K/V stored: ops.norm_rope first
             from minivllm.worker import ops  # (ops imports this module)
 
             query, _ = ops.norm_rope(query, rope.key, rope.positions, rope.cos_cache, rope.sin_cache, rope.q_norm,
                                      rope.k_norm, rope.eps, kv_store=(rope.value, kv_cache, metadata.slot_mapping, layout))
         fp8_decode.decode(query, views, layout, metadata, scale, out, num_splits, seq_order, partial_out, partial_max,
-                          partial_sum)
+                          partial_sum, mixed=mixed)
         if num_splits > 1:
             _combine_splits(out, partial_out, partial_max, partial_sum, head_dim)
         return out
