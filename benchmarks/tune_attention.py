@@ -54,6 +54,7 @@ from tests.gpu.test_triton_attention import BLOCK_ORDERS, make_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
 
+
 def _ragged_prompts(budget: int, low: int, high: int) -> list[tuple[int, int]]:
     """Whole prompts of low..high tokens (uniform, seed 0) filling a step of `budget` tokens, the
     last one cut to fit, as the scheduler packs fresh requests."""

@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   };
   // PDL (worker/pdl.py): the kernel before this one (ops.norm_rope, or the K/V store) writes the
   // query and each sequence's newest key and value, which sit in its last block; the lengths, block
-  // tables and order are step inputs. So the ring's first copies go out before waiting for that
+  // tables, order and query_start_loc are step inputs. So the ring's first copies go out before waiting for that
   // kernel, unless they are of the last block.
   int staged = 0;
   for (; staged < kStages - 1 && (staged >= my_blocks || first + kWarps * staged < num_blocks - 1); ++staged)
