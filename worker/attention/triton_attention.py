@@ -31,7 +31,8 @@ decode-only step can hand the kernel q, k and v before the per-head norm and RoP
 rotates them in registers and stores this step's K/V itself, in place of ops.norm_rope's kernel.
 
 Decode steps of many sequences over an FP8 cache, and such a mixed step's decodes, go to a CUDA
-kernel where one is built (fp8_decode.py: Triton's kernel reads an FP8 cache at ~2.4 TB/s on an H100, that one at ~2.6-2.7).
+kernel where one is built (fp8_decode.py: Triton's kernel reads an FP8 cache at ~2.4 TB/s on an
+H100, that one at ~2.6-2.7).
 
 An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
 multiplies its column of scores and each value's scale the column of probabilities that weighs it,
