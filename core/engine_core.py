@@ -351,6 +351,8 @@ class EngineCoreProc(EngineCore):
         check_bind_allowed(address, engine_key, insecure)  # before the model loads
         self.curve_keys = CurveKeys(engine_key) if engine_key is not None else None
         super().__init__(config)
+        # A finished request's blocks are freed after its output is sent (run_busy_loop).
+        self.scheduler.defer_frees = True
         self.address = address
         self.limits = EngineLimits.from_engine_info(self.get_engine_info())
         # Bounded: when the busy loop falls behind, the socket thread waits, ZMQ's queues fill
@@ -404,6 +406,7 @@ class EngineCoreProc(EngineCore):
                 outputs = self.step()
                 if outputs:
                     self._send_outputs(outputs)
+                self.scheduler.free_finished_blocks()  # (put off until the outputs went out)
                 if self.stats_logger.due():
                     self.stats_logger.log(self.get_stats())
         except WorkerDiedError as e:

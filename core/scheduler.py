@@ -219,6 +219,13 @@ class Scheduler:
         # Outputs the KV connector's events made (a failed load, a first token that came with the
         # KV), for the next update_from_output.
         self.kv_outputs: list[EngineCoreOutput] = []
+        # With defer_frees, the blocks of requests that finished (or were aborted) wait here until
+        # free_finished_blocks(): the engine's busy loop sends their outputs first. Freeing is a
+        # Python loop over the blocks (a 32k-token request's 2,000: ~0.8 ms), which otherwise sits
+        # between the GPU's last token and the client. The next schedule() frees them before it
+        # allocates, so scheduling sees the same free blocks either way.
+        self.defer_frees = False
+        self._finished_blocks: list[list[KVCacheBlock]] = []
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -291,8 +298,15 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def free_finished_blocks(self) -> None:
+        """Give back the blocks whose freeing defer_frees put off (a no-op if none wait)."""
+        for blocks in self._finished_blocks:
+            self.kv_cache_manager.free_blocks(blocks)
+        self._finished_blocks.clear()
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; only while no request holds blocks. Returns success."""
+        self.free_finished_blocks()
         if not self.kv_cache_manager.reset_prefix_cache():
             return False
         if self.connector is not None:
@@ -300,6 +314,7 @@ class Scheduler:
         return True
 
     def make_stats(self) -> EngineStats:
+        self.free_finished_blocks()
         manager = self.kv_cache_manager
         return EngineStats(
             num_running_reqs=len(self.running),
@@ -321,6 +336,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        self.free_finished_blocks()
         if self.connector is not None and (self.waiting_for_remote_kvs or self.held_blocks):
             self._expire_kv_transfers(time.monotonic())
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
@@ -699,12 +715,14 @@ class Scheduler:
         )
 
     def _free_request(self, request: Request, load_in_flight: bool = False) -> dict | None:
-        """Forget a finished request: its blocks go back now (or, with a KV connector, once it
-        is done with them); the worker hears of it next step. Returns the connector's
-        kv_transfer_params for the client."""
+        """Forget a finished request: its blocks go back now (with defer_frees, at
+        free_finished_blocks; with a KV connector, once it is done with them); the worker hears of
+        it next step. Returns the connector's kv_transfer_params for the client."""
         assert request.is_finished
         kv_transfer_params = None
-        if self.connector is None:
+        if self.connector is None and self.defer_frees:
+            self._finished_blocks.append(self.kv_cache_manager.take_blocks(request))
+        elif self.connector is None:
             self.kv_cache_manager.free(request)
         else:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)

@@ -338,6 +338,41 @@ def test_abort_running_and_waiting_requests_frees_blocks_at_once() -> None:
     assert sorted(out.finished_req_ids) == ["a", "b"]
 
 
+
+@pytest.mark.parametrize("free_after_each_step", [False, True])
+def test_deferred_frees_change_no_step(free_after_each_step: bool) -> None:
+    """defer_frees, as the engine's busy loop runs the scheduler: a finished or aborted request's
+    blocks stay taken until free_finished_blocks() (after its output went out) or the next
+    schedule(), which frees them before it allocates and in the same order. So the same workload
+    hands out the same blocks, step by step, as with immediate frees, prefix-cache hits included."""
+    traces = []
+    for defer in (False, True):
+        rng = random.Random(5)
+        scheduler, worker = make_scheduler(num_gpu_blocks=40, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
+        scheduler.defer_frees = defer
+        manager = scheduler.kv_cache_manager
+        for i, prompt in enumerate(random_prompts(rng, 14, 1, 30)):
+            scheduler.add_request(make_request(f"r{i}", prompt_token_ids=prompt, max_tokens=rng.randint(1, 6)))
+        trace = []
+        while scheduler.has_unfinished_requests():
+            if len(trace) == 3:  # an abort between steps: deferred too
+                scheduler.abort_requests([scheduler.running[-1].request_id])
+            out, outputs = step(scheduler, worker)
+            finished = [o.request_id for o in outputs if o.finish_reason is not None]
+            waiting = scheduler._finished_blocks
+            assert len(waiting) == (len(finished) if defer else 0)
+            assert all(block.ref_cnt >= 1 for blocks in waiting for block in blocks)  # still taken
+            free_before = manager.get_num_free_blocks()
+            if free_after_each_step:
+                scheduler.free_finished_blocks()
+                assert not waiting and manager.get_num_free_blocks() >= free_before
+            trace.append((out, outputs))
+        scheduler.free_finished_blocks()
+        assert_no_leak(scheduler)
+        traces.append(trace)
+    assert traces[0] == traces[1]
+
+
 def test_abort_unknown_finished_or_repeated_ids_is_harmless() -> None:
     scheduler, worker = make_scheduler()
     scheduler.add_request(make_request("a", 4, max_tokens=1))
