@@ -338,7 +338,6 @@ def test_abort_running_and_waiting_requests_frees_blocks_at_once() -> None:
     assert sorted(out.finished_req_ids) == ["a", "b"]
 
 
-
 @pytest.mark.parametrize("free_after_each_step", [False, True])
 def test_deferred_frees_change_no_step(free_after_each_step: bool) -> None:
     """defer_frees, as the engine's busy loop runs the scheduler: a finished or aborted request's
@@ -355,7 +354,7 @@ def test_deferred_frees_change_no_step(free_after_each_step: bool) -> None:
             scheduler.add_request(make_request(f"r{i}", prompt_token_ids=prompt, max_tokens=rng.randint(1, 6)))
         trace = []
         while scheduler.has_unfinished_requests():
-            if len(trace) == 3:  # an abort between steps: deferred too
+            if len(trace) == 3 and scheduler.running:  # an abort between steps: deferred too
                 scheduler.abort_requests([scheduler.running[-1].request_id])
             out, outputs = step(scheduler, worker)
             finished = [o.request_id for o in outputs if o.finish_reason is not None]
