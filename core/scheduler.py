@@ -265,7 +265,8 @@ class Scheduler:
         return min(request.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Finish live requests as aborted and free their blocks now; other ids are ignored."""
+        """Finish live requests as aborted and free their blocks (now; with defer_frees, at the next
+        free_finished_blocks or schedule); other ids are ignored."""
         outputs: list[EngineCoreOutput] = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
