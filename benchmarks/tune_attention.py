@@ -92,6 +92,8 @@ CASES = {
     "prefill-8192x562": [[(0, 562)] * 14 + [(0, 324)]],
     # ... and one at the LLM class's budget on an H100 (16,384), prompts of 100-1,024 tokens
     "prefill-16384xragged": [_ragged_prompts(16384, 100, 1024)],
+    # ... and of mid-length prompts (under the Hopper kernel's 8,192-token floor: these stay on Triton)
+    "prefill-4x4096": [[(0, 4096)] * 4],
     "decode-256x700": [[(700, 1)] * 256],
     # the 256-request workload's decode steps: contexts from 100 to 1280 tokens, in arrival order
     "decode-256xragged": [[(int(n), 1) for n in np.random.default_rng(0).integers(100, 1280, 256)]],
