@@ -99,8 +99,8 @@ def main() -> None:
     best = 0.0
     for bn in (32, 64):
         for warps in (4, 8):
-            ms = do_bench_cudagraph(lambda: bf16_paged_read[(heads, seqs)](k, v, tables, res, bps, k.stride(0), k.stride(1),
-                                                                          BLOCK_N=bn, KV_HEADS=heads, num_warps=warps))
+            ms = do_bench_cudagraph(lambda: bf16_paged_read[(heads, seqs)](
+                k, v, tables, res, bps, k.stride(0), k.stride(1), BLOCK_N=bn, KV_HEADS=heads, num_warps=warps))
             best = max(best, nbytes / ms / 1e9)
     print(f"bf16 paged read, 256 x 704 tokens, scattered blocks (best of 4 shapes): {best:.3f} TB/s")
     del k, v
@@ -112,9 +112,9 @@ def main() -> None:
         best = 0.0
         for warps in (2, 4, 8):
             for stages in (2, 3, 4):
-                ms = do_bench_cudagraph(lambda: fp8_paged_read[(heads, seqs)](kc, vc, tables, res, bps, block_bytes, SCALES=scales,
-                                                                             KV_HEADS=heads, num_warps=warps,
-                                                                             num_stages=stages))
+                ms = do_bench_cudagraph(lambda: fp8_paged_read[(heads, seqs)](
+                    kc, vc, tables, res, bps, block_bytes, SCALES=scales, KV_HEADS=heads, num_warps=warps,
+                    num_stages=stages))
                 best = max(best, nbytes / ms / 1e9)
         print(f"FP8 paged read{' with scales' if scales else ', data only'} (best of 9 shapes): {best:.3f} TB/s")
 

@@ -60,12 +60,13 @@ def _patch(runner_class) -> None:
     def profiled_run_step(self, scheduler_output):
         if not state["started"] and len(scheduler_output.scheduled_new_reqs) > min_new:
             state["started"] = True
-        if state["started"] and state["profiler"] is None and not state["done"] and state["skipped"] < skip:
-            state["skipped"] += 1
-        elif state["started"] and state["profiler"] is None and not state["done"]:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            state["profiler"] = profile(activities=activities)
-            state["profiler"].__enter__()
+        if state["started"] and state["profiler"] is None and not state["done"]:
+            if state["skipped"] < skip:
+                state["skipped"] += 1
+            else:
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                state["profiler"] = profile(activities=activities)
+                state["profiler"].__enter__()
         with record_function("host:run_step"):
             outputs = run_step(self, scheduler_output)
         if state["profiler"] is not None:

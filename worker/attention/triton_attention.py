@@ -1123,17 +1123,16 @@ def paged_attention(
     if not fresh_kv:
         key = value = query  # unused
     # Each launch: (tile shape, whether it reads an FP8 cache, which sequences it takes).
-    if config is not None:
-        launches = [(config, layout.fp8, ALL_SEQS)]
-    else:
+    default_shape = config is None
+    if default_shape:
         config = prefill_config(num_tokens, query.dtype, head_dim, layout.fp8, num_splits > 1)
-        launches = [(config, layout.fp8, ALL_SEQS)]
-        if fresh_kv and config is PREFILL_FP8 and num_splits == 1 and PREFILL_FRESH_SEQS_PLAIN:
-            # A large step's fresh prompts never read the e4m3 cache, yet in the FP8 kernel they
-            # run at its shape and register budget (255 registers, one program an SM). They go to
-            # the plain kernel (its cache loops have nothing to read), the chunks after a cached
-            # context to the FP8 one, whose programs for fresh prompts exit (~15 us a layer).
-            launches = [(PREFILL_FP8_FRESH, False, FRESH_SEQS), (config, True, CACHED_SEQS)]
+    launches = [(config, layout.fp8, ALL_SEQS)]
+    if default_shape and fresh_kv and config is PREFILL_FP8 and num_splits == 1 and PREFILL_FRESH_SEQS_PLAIN:
+        # A large step's fresh prompts never read the e4m3 cache, yet in the FP8 kernel they run
+        # at its shape and register budget (255 registers, one program an SM). They go to the
+        # plain kernel (its cache loops have nothing to read), the chunks after a cached context
+        # to the FP8 one, whose programs for fresh prompts exit (~15 us a layer).
+        launches = [(PREFILL_FP8_FRESH, False, FRESH_SEQS), (config, True, CACHED_SEQS)]
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     for tiles, fp8, which in launches:
         block_m = max(tiles.block_m, triton.next_power_of_2(heads_per_kv))
