@@ -1,40 +1,44 @@
-"""The executors: they start the workers (one per GPU) and talk to them over ZMQ.
+"""The executors: they start the workers (one per GPU) and talk to them over channels
+(protocol/channels.py: ordered msgspec bytes each way, never pickles).
 
-Two ways to start and place the workers share one transport (ZmqExecutor):
-  - MpExecutor (distributed_executor_backend="mp", the default): local child processes.
+Two ways to start and place the workers share one transport and its watchdogs (ChannelExecutor):
+  - MpExecutor (distributed_executor_backend="mp", the default): local child processes, each
+    reached through a Unix socket pair made for it (it inherits its end; nothing else can connect).
   - RayExecutor (core/ray_executor.py, "ray"): Ray actors placed by a placement group, possibly
-    on other nodes. Ray only places and watches them; the steps still travel over ZMQ.
+    on other nodes. Ray only places and watches them; the steps still travel over ZMQ: a PUSH
+    socket per worker for work and one shared PULL socket for the answers.
 A third has no transport: UniProcExecutor (core/uniproc_executor.py, "uni") runs the one worker of
 a single-device model inside the EngineCore process.
-
-Each worker gets its own PUSH socket for work (a SchedulerOutput is sent to every worker), and all
-workers answer on one shared PULL socket. Only one rank returns sampled tokens: rank 0, or with
+A SchedulerOutput is sent to every worker. Only one rank returns sampled tokens: rank 0, or with
 pipeline parallelism TP rank 0 of the last stage (every TP rank samples the same ones: see
 worker/models/parallel_layers.py; earlier stages only pass activations on: worker/pipeline.py).
 World = pipeline_parallel_size x tensor_parallel_size ranks; rank = pp_rank * tp + tp_rank.
-The sockets are Unix sockets (ipc://) when every worker is on this host; when some are on other
+Ray's sockets are Unix sockets (ipc://) when every worker is on this host; when some are on other
 nodes they are TCP on this node's address, and CURVE-authenticated with a key pair made for this
 executor alone (only its workers hold it). With several workers (tensor or pipeline parallelism)
 the executor also picks the address at which they form their torch.distributed group.
-
-While waiting for an answer the executor checks every second that its workers are still alive,
-so a dead worker becomes a WorkerDiedError within about a second instead of a hang. A worker that
-hangs instead (a deadlock, a stuck device, a stopped process) is caught by the step watchdog: a
-step unanswered after config.execute_model_timeout_seconds becomes a WorkerHungError.
+While waiting for an answer the executor checks every second that its workers are still alive
+(a local worker's closed socket pair tells at once), so a dead worker becomes a WorkerDiedError
+within about a second instead of a hang. A worker that hangs instead (a deadlock, a stuck device,
+a stopped process) is caught by the step watchdog: a step unanswered after
+config.execute_model_timeout_seconds becomes a WorkerHungError.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
+import socket
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import zmq
 
 from minivllm.protocol.auth import CurveKeys, start_client_key_authenticator
+from minivllm.protocol.channels import Channel, ChannelClosed, StreamChannel, ZmqChannel, fd_address
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
@@ -56,7 +60,7 @@ class WorkerHungError(WorkerDiedError):
     """The step watchdog fired: the workers did not answer a step in time."""
 
 
-def make_executor(config: EngineConfig) -> "ZmqExecutor | UniProcExecutor":
+def make_executor(config: EngineConfig) -> "ChannelExecutor | UniProcExecutor":
     """The executor config.distributed_executor_backend names."""
     if config.distributed_executor_backend == "ray":
         from minivllm.core.ray_executor import RayExecutor  # imports ray: only when asked for
@@ -69,16 +73,19 @@ def make_executor(config: EngineConfig) -> "ZmqExecutor | UniProcExecutor":
     return MpExecutor(config)
 
 
-class ZmqExecutor:
+class ChannelExecutor:
     """The transport and the watchdogs; subclasses start, watch and stop the workers.
 
-    A subclass's constructor starts its workers, calls bind_sockets() once it knows whether any
-    worker is on another node, hands the addresses (and curve_secret, if set) to the workers, then
+    A subclass's constructor starts its workers and gives each its channels: socket pairs
+    (open_socket_pairs(), MpExecutor), or ZMQ endpoints (bind_sockets() once it knows whether any
+    worker is on another node; the addresses and curve_secret, if set, go to the workers). Then it
     waits for their "ready" with _gather_replies("ready").
     """
 
     # How long a sibling's death may take to show after a rank reported a broken collective.
     blame_grace_s = 1.0
+    # How long a worker whose channel closed may take to show as exited.
+    exit_grace_s = 2.0
 
     def __init__(self, config: EngineConfig) -> None:
         self.tensor_parallel_size = config.tensor_parallel_size
@@ -94,6 +101,11 @@ class ZmqExecutor:
         self.work_addresses: list[str] = []
         self.work_sockets: list[zmq.Socket] = []
         self.result_socket: zmq.Socket | None = None
+        # Rank -> its work channel; the channels answers come in on (ZMQ: one shared socket;
+        # socket pairs: the work channels themselves, which carry both ways).
+        self.work_channels: list[Channel] = []
+        self.result_channels: list[Channel] = []
+        self.poller = zmq.Poller()
 
     # -- for subclasses -----------------------------------------------------------------------
 
@@ -118,6 +130,21 @@ class ZmqExecutor:
             addresses.append(address)
         self.result_socket, self.work_sockets = sockets[0], sockets[1:]
         self.result_address, self.work_addresses = addresses[0], addresses[1:]
+        self._use_channels([ZmqChannel(sock) for sock in self.work_sockets], [ZmqChannel(self.result_socket)])
+
+    def open_socket_pairs(self) -> list[socket.socket]:
+        """A Unix socket pair per rank, for workers on this host: returns the workers' ends, one
+        per rank, for the subclass to hand down (as file descriptors, under fd_address()) and
+        then close here, so that a worker's exit shows as the end of its channel."""
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(self.world_size)]
+        channels = [StreamChannel(ours) for ours, _ in pairs]
+        self._use_channels(channels, channels)
+        return [theirs for _, theirs in pairs]
+
+    def _use_channels(self, work_channels: list[Channel], result_channels: list[Channel]) -> None:
+        self.work_channels, self.result_channels = work_channels, result_channels
+        for channel in result_channels:
+            self.poller.register(channel.pollable, zmq.POLLIN)
 
     def stage_note(self, rank: int) -> str:
         """", pipeline stage 1" (and ", TP rank 1") for a worker's description; "" without PP."""
@@ -146,9 +173,7 @@ class ZmqExecutor:
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call Worker.<method>(*args) on every worker; return their results by rank."""
-        payload = encode(WorkerCall(method, list(args)))
-        for sock in self.work_sockets:
-            sock.send(payload)
+        self._send_to_all(encode(WorkerCall(method, list(args))))
         return self._gather_replies(method)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -156,10 +181,9 @@ class ZmqExecutor:
         return self.receive_output()
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Send a step to every worker without waiting (they queue steps and run them in order)."""
-        payload = encode(scheduler_output)
-        for sock in self.work_sockets:
-            sock.send(payload)
+        """Send a step to every worker without waiting (they queue steps and run them in order;
+        what a socket pair does not take at once goes out while the executor waits for answers)."""
+        self._send_to_all(encode(scheduler_output))
 
     def receive_output(self) -> ModelRunnerOutput:
         """The sampled tokens of the oldest step submitted and not yet received."""
@@ -178,11 +202,14 @@ class ZmqExecutor:
     def shutdown(self) -> None:
         payload = encode(Shutdown())
         any_dead = False
-        for rank, sock in enumerate(self.work_sockets):
+        for rank, channel in enumerate(self.work_channels):
             if self.dead_worker(rank) is None:
-                try:
-                    sock.send(payload, flags=zmq.NOBLOCK)
-                except zmq.Again:  # the worker never connected; stop_workers ends it
+                try:  # (never blocks: an unconnected ZMQ peer, a full socket pair; stop_workers ends it)
+                    if isinstance(channel, ZmqChannel):
+                        channel.sock.send(payload, flags=zmq.NOBLOCK)
+                    else:
+                        channel.send(payload)
+                except (zmq.Again, ChannelClosed):
                     pass
             else:
                 any_dead = True
@@ -192,6 +219,9 @@ class ZmqExecutor:
         self.stop_workers(timeout=1.0 if self.hung or any_dead else 5.0)
         if self.authenticator is not None:
             self.authenticator.stop()
+        for channel in self.work_channels:
+            if isinstance(channel, StreamChannel):
+                channel.close()
         self.ctx.destroy(linger=0)
         for address in [self.result_address, *self.work_addresses]:
             remove_ipc_file(address)
@@ -211,7 +241,8 @@ class ZmqExecutor:
         """The next message from the workers. timeout_s: the step watchdog (None: wait as long as
         the workers live, e.g. while they load the model)."""
         start = time.monotonic()
-        while not self.result_socket.poll(POLL_MS if timeout_s is None else min(POLL_MS, int(timeout_s * 1000) + 1)):
+        poll_ms = POLL_MS if timeout_s is None else min(POLL_MS, int(timeout_s * 1000) + 1)
+        while (channel := self._poll(poll_ms)) is None:
             self.check_alive()
             waited = time.monotonic() - start
             if timeout_s is not None and waited >= timeout_s:
@@ -222,42 +253,85 @@ class ZmqExecutor:
                     f"shuts down. If steps legitimately take longer, raise --execute-model-timeout-seconds "
                     f"(now {timeout_s:g})."
                 )
-        message = worker_output_decoder.decode(self.result_socket.recv())
+        try:
+            message = worker_output_decoder.decode(channel.recv())
+        except ChannelClosed:
+            self._worker_gone()
         if isinstance(message, WorkerReply) and message.error is not None:
             self._blame_dead_sibling(message.rank)
             raise WorkerDiedError(f"worker {message.rank} failed in {message.method}:\n{message.error}")
         return message
 
-    def _blame_dead_sibling(self, reporter: int) -> None:
+    def _send_to_all(self, payload: bytes) -> None:
+        try:
+            for channel in self.work_channels:
+                channel.send(payload)
+        except ChannelClosed:
+            self._worker_gone()
+
+    def _worker_gone(self) -> NoReturn:
+        """A local worker's socket pair closed: its process is exiting. Name it once it has."""
+        self._blame_dead_sibling(-1, grace_s=self.exit_grace_s)
+        raise WorkerDiedError(f"a worker closed its channel and has not exited ({self.describe_workers()})")
+
+    def _poll(self, timeout_ms: int) -> Channel | None:
+        """A result channel with a message to read, waiting up to timeout_ms; meanwhile steps
+        still in a socket pair's outbox go out as the worker takes them."""
+        unsent = [channel for channel in self.work_channels if channel.has_unsent]
+        for channel in unsent:
+            self.poller.modify(channel.pollable, zmq.POLLIN | zmq.POLLOUT)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            events = dict(self.poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
+            for channel in unsent:
+                try:
+                    if events.get(channel.pollable, 0) & zmq.POLLOUT and channel.flush():
+                        self.poller.modify(channel.pollable, zmq.POLLIN)
+                except ChannelClosed:
+                    self._worker_gone()
+            unsent = [channel for channel in unsent if channel.has_unsent]
+            for channel in self.result_channels:
+                if events.get(channel.pollable, 0) & zmq.POLLIN:
+                    return channel
+            if time.monotonic() >= deadline:
+                return None
+
+    def _blame_dead_sibling(self, reporter: int, grace_s: float | None = None) -> None:
         """With several workers, one that dies makes its siblings' next collective fail; name the
-        dead one (the cause) rather than the sibling that reported the broken collective."""
-        deadline = time.monotonic() + (self.blame_grace_s if self.world_size > 1 else 0.0)
+        dead one (the cause) rather than the sibling that reported the broken collective.
+        (reporter -1: nobody reported; a channel closed. grace_s: how long to wait for the death
+        to show, by default blame_grace_s with several workers.)"""
+        if grace_s is None:
+            grace_s = self.blame_grace_s if self.world_size > 1 else 0.0
+        deadline = time.monotonic() + grace_s
         while True:
             for rank in range(self.world_size):
                 if rank != reporter and (reason := self.dead_worker(rank)) is not None:
-                    raise WorkerDiedError(f"{reason}; worker {reporter} then lost it in a collective")
+                    if reporter >= 0:
+                        reason = f"{reason}; worker {reporter} then lost it in a collective"
+                    raise WorkerDiedError(reason)
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
 
 
-class MpExecutor(ZmqExecutor):
+class MpExecutor(ChannelExecutor):
     """The workers are child processes of the EngineCore, on this host."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.bind_sockets()
         config_json = msgspec.json.encode(config).decode()
         dist_args = ["--dist-init-address", free_loopback_tcp_address()] if self.world_size > 1 else []
-        self.procs: list[subprocess.Popen] = [
-            spawn_child(
+        self.procs: list[subprocess.Popen] = []
+        for rank, worker_end in enumerate(self.open_socket_pairs()):
+            address = fd_address(worker_end.fileno())  # (the child inherits it under the same number)
+            self.procs.append(spawn_child(
                 "minivllm.worker.worker",
-                ["--config", config_json, "--rank", str(rank),
-                 "--work-address", self.work_addresses[rank], "--result-address", self.result_address,
+                ["--config", config_json, "--rank", str(rank), "--work-address", address, "--result-address", address,
                  *dist_args],
-            )
-            for rank in range(self.world_size)
-        ]
+                pass_fds=(worker_end.fileno(),),
+            ))
+            worker_end.close()
         # Each worker says "ready" once its model is loaded (or reports why it could not).
         self._gather_replies("ready")
         logger.info("%d worker(s) ready (pids %s)", self.world_size, self.worker_pids)

@@ -5,8 +5,8 @@ placement group puts on the cluster's nodes, possibly other hosts than the Engin
                <--ZMQ-- rank 0's sampled tokens
 
 Ray places the workers, gives rank 0's node address for the torch.distributed group, and reports
-a dead actor or node; it carries nothing of the steps, which travel over ZMQ as with the mp
-executor (ZmqExecutor, shared). The placement group has one bundle per rank (one GPU on CUDA,
+a dead actor or node; it carries nothing of the steps, which travel over ZMQ channels
+(ChannelExecutor's transport, which the mp executor shares with socket pairs instead). The placement group has one bundle per rank (one GPU on CUDA,
 one CPU otherwise); the group is packed onto one node when a node has room for all of it
 (STRICT_PACK), else spread over as few nodes as fit (PACK), as vLLM does. With pipeline
 parallelism there is one such group per stage (its TP group), and the stages may land on
@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from minivllm.core.executor import ZmqExecutor, _bracket
+from minivllm.core.executor import ChannelExecutor, _bracket
 from minivllm.protocol.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def wants_gpus(config: EngineConfig) -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-class RayExecutor(ZmqExecutor):
+class RayExecutor(ChannelExecutor):
     blame_grace_s = 3.0  # Ray's news of a death travels through its control plane
 
     def __init__(self, config: EngineConfig) -> None:
@@ -190,7 +190,7 @@ class RayExecutor(ZmqExecutor):
         logger.info("placement group(s) (%s): %s", strategy,
                     ", ".join(f"rank {r} on {i['node_ip']} (node {i['node_id'][:8]})" for r, i in enumerate(self.infos)))
 
-    # -- ZmqExecutor's hooks ------------------------------------------------------------------
+    # -- ChannelExecutor's hooks ---------------------------------------------------------------
 
     @property
     def worker_pids(self) -> list[int]:

@@ -86,13 +86,16 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def spawn_child(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Run `python -m module *args` (module: `minivllm.<...>`) as a child that dies with this process."""
+def spawn_child(module: str, args: list[str], env: dict[str, str] | None = None,
+                pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Run `python -m module *args` (module: `minivllm.<...>`) as a child that dies with this process.
+    pass_fds: file descriptors it inherits, under the same numbers (no other one is)."""
     return subprocess.Popen(
         [sys.executable, "-c", _CHILD_MAIN, PACKAGE_DIR, module, *args],
         env=dict(os.environ if env is None else env),
         preexec_fn=die_with_parent,
         stdin=subprocess.DEVNULL,
+        pass_fds=pass_fds,
     )
 
 

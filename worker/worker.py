@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from minivllm.protocol.auth import CurveKeys
+from minivllm.protocol.channels import open_worker_channels
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import exit_without_teardown
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
@@ -30,6 +30,7 @@ from minivllm.protocol.serial import encode, worker_input_decoder
 logger = logging.getLogger(__name__)
 
 _PENDING_POLL_S = 20e-6
+_PENDING_SPIN_S = 5e-3
 
 
 class WorkerStepTimer:
@@ -105,17 +106,10 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
     """Serve the executor until Shutdown; returns the exit code. curve_secret: the executor's key
     when its sockets are TCP (workers on other nodes), see core/executor.py."""
     ctx = zmq.Context()
-    work_socket = ctx.socket(zmq.PULL)
-    result_socket = ctx.socket(zmq.PUSH)
-    if curve_secret is not None:
-        keys = CurveKeys(curve_secret)
-        keys.make_client(work_socket)
-        keys.make_client(result_socket)
-    work_socket.connect(work_address)
-    result_socket.connect(result_address)
+    work, results = open_worker_channels(ctx, work_address, result_address, curve_secret)
 
     def reply(method: str, result: Any = None, error: str | None = None) -> None:
-        result_socket.send(encode(WorkerReply(rank, method, result, error)))
+        results.send(encode(WorkerReply(rank, method, result, error)), wait=True)
 
     # TP rank 0 of the last pipeline stage (rank = pp_rank * tp + tp_rank; rank 0 without PP).
     answers = rank == (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
@@ -123,16 +117,20 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
     def send_outputs(outputs: list[ModelRunnerOutput]) -> None:
         if answers:  # the ranks compute the same tokens; one answers
             for output in outputs:
-                result_socket.send(encode(output))
+                results.send(encode(output), wait=True)
 
     def send_when_ready_or_next_step_arrives() -> None:
         """A step's tokens are held back while the next step is on its way (see ModelRunner);
-        with no step queued, send them as soon as they reach the host, unless one arrives first."""
-        while not work_socket.poll(0):
+        with no step queued, send them as soon as they reach the host, unless one arrives first.
+        The first _PENDING_SPIN_S of the wait spin: a batch-1 step's tokens come within a
+        millisecond or two, and a sleep of 20 us takes ~75 on the GPU hosts (timer slack)."""
+        spin_until = time.perf_counter() + _PENDING_SPIN_S
+        while not work.poll(0):
             if runner.pending_ready():
                 send_outputs(runner.finish_pending())
                 return
-            time.sleep(_PENDING_POLL_S)
+            if time.perf_counter() > spin_until:
+                time.sleep(_PENDING_POLL_S)
 
     method = "ready"
     try:
@@ -144,7 +142,7 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
             t0 = time.perf_counter()
             if runner.has_pending():
                 send_when_ready_or_next_step_arrives()
-            message = worker_input_decoder.decode(work_socket.recv())
+            message = worker_input_decoder.decode(work.recv())
             if isinstance(message, SchedulerOutput):
                 method = "execute_model"
                 t1 = time.perf_counter()

@@ -34,13 +34,13 @@ STAGES = [
     ("to the engine's socket thread", "> EngineCoreProc._receive_frames"),
     ("decoded, checked, queued to the busy loop", "> EngineCoreProc._handle"),
     ("scheduled", "< Scheduler.schedule"),
-    ("submitted to the worker", "< ZmqExecutor.submit"),  # (none with the worker in the engine: "uni")
+    ("submitted to the worker", "< ChannelExecutor.submit"),  # (none with the worker in the engine: "uni")
     ("to the worker", "> ModelRunner.run_step"),
     ("worker: batch updated, inputs prepared", "< InputBatch.prepare"),
     ("worker: inputs copied, graph launched", "< run_forward"),
     ("worker: logits and sampling launched", "< ModelRunner.run_step"),
     ("worker: sampled token on the host", "< ModelRunner.finish_pending"),
-    ("to the engine", ("< ZmqExecutor.receive_output", "< UniProcExecutor.receive_output")),
+    ("to the engine", ("< ChannelExecutor.receive_output", "< UniProcExecutor.receive_output")),
     ("engine: outputs made", "> EngineCoreProc._send_outputs"),
     # (Where the socket thread starts sending, not where it is done: on a busy host the frontend can
     # receive, finish and mark its iteration's end before the sender is scheduled to mark its own.)

@@ -28,7 +28,7 @@ TARGETS = {
                                   "EngineCoreProc._send_outputs", "EngineCoreProc._send_to",
                                   "EngineCore.step_async", "EngineCoreProc._process_input"],
     "minivllm.core.scheduler": ["Scheduler.schedule", "Scheduler.update_from_output"],
-    "minivllm.core.executor": ["ZmqExecutor.submit", "ZmqExecutor.receive_output"],
+    "minivllm.core.executor": ["ChannelExecutor.submit", "ChannelExecutor.receive_output"],
     "minivllm.core.uniproc_executor": ["UniProcExecutor.submit", "UniProcExecutor.receive_output"],
     "minivllm.worker.model_runner": ["ModelRunner.run_step", "ModelRunner.finish_pending",
                                      "ModelRunner._run_model", "ModelRunner._update_states"],

@@ -6,13 +6,13 @@ from __future__ import annotations
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from minivllm.core.executor import ZmqExecutor
+from minivllm.core.executor import ChannelExecutor
 from minivllm.protocol.auth import HANDSHAKE_FAILED_EVENTS, HANDSHAKE_FAILURES, CurveKeys
 from minivllm.protocol.messages import WorkerReply
 from minivllm.protocol.serial import encode, worker_output_decoder
 
 
-class _NoWorkers(ZmqExecutor):
+class _NoWorkers(ChannelExecutor):
     def dead_worker(self, rank: int) -> None:
         return None
 
