@@ -7,9 +7,9 @@ Two kinds, one interface (send, poll, recv, close, and `pollable` for a zmq.Poll
                  its end, so no address exists that anything else could connect to.
   ZmqChannel     a ZMQ socket: workers that may be on other nodes (Ray), over CURVE TCP there.
 Why two: ZMQ moves each message through its I/O threads, so a hop costs thread wake-ups on both
-sides. On the H100/H200 hosts a 300-byte round trip between two processes took 140 us over ipc://
-ZMQ against 40 us over a socket pair (benchmarks/results/2026-11-26-channels/); a batch-1 first
-token crosses that hop twice.
+sides. On an H100 host a 300-byte round trip between two processes took 115 us over ipc:// ZMQ
+against 35 us over a socket pair (140 / 40 on an H200 host; benchmarks/results/2026-11-26-channels/),
+and a batch-1 first token crosses that hop twice.
 
 A worker names its channel by address (`open_worker_channels`): "fd:N" is an inherited socket,
 anything else a ZMQ endpoint.
