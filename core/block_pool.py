@@ -99,6 +99,24 @@ class FreeKVCacheBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The first `num_blocks` free blocks, taken out at once: one walk down the list and one
+        splice, where popleft() per block relinks both neighbours each time (a 16k-token chunk
+        takes 1,024 blocks)."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"only {self.num_free_blocks} free blocks, {num_blocks} asked for")
+        blocks = []
+        block = self._head.next_free_block
+        for _ in range(num_blocks):
+            blocks.append(block)
+            next_block = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = next_block
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        self.num_free_blocks -= num_blocks
+        return blocks
+
     def remove(self, block: KVCacheBlock) -> None:
         prev_block, next_block = block.prev_free_block, block.next_free_block
         if prev_block is None or next_block is None:
@@ -183,13 +201,12 @@ class BlockPool:
             raise ValueError(
                 f"cannot allocate {num_blocks} blocks: only {self.free_block_queue.num_free_blocks} free"
             )
-        new_blocks = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
+        new_blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in new_blocks:
             assert block.ref_cnt == 0, block
-            self._evict(block)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
-            new_blocks.append(block)
         return new_blocks
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -351,8 +351,8 @@ class EngineCoreProc(EngineCore):
         check_bind_allowed(address, engine_key, insecure)  # before the model loads
         self.curve_keys = CurveKeys(engine_key) if engine_key is not None else None
         super().__init__(config)
-        # A finished request's blocks are freed after its output is sent (run_busy_loop).
-        self.scheduler.defer_frees = True
+        # Block bookkeeping waits until a step is submitted and its outputs are sent (run_busy_loop).
+        self.scheduler.defer_block_updates = True
         self.address = address
         self.limits = EngineLimits.from_engine_info(self.get_engine_info())
         # Bounded: when the busy loop falls behind, the socket thread waits, ZMQ's queues fill
@@ -406,7 +406,7 @@ class EngineCoreProc(EngineCore):
                 outputs = self.step()
                 if outputs:
                     self._send_outputs(outputs)
-                self.scheduler.free_finished_blocks()  # (put off until the outputs went out)
+                self.scheduler.apply_deferred_block_updates()  # (put off until the step and outputs went out)
                 if self.stats_logger.due():
                     self.stats_logger.log(self.get_stats())
         except WorkerDiedError as e:

@@ -219,12 +219,16 @@ class Scheduler:
         # Outputs the KV connector's events made (a failed load, a first token that came with the
         # KV), for the next update_from_output.
         self.kv_outputs: list[EngineCoreOutput] = []
-        # With defer_frees, the blocks of requests that finished (or were aborted) wait here until
-        # free_finished_blocks(): the engine's busy loop sends their outputs first. Freeing is a
-        # Python loop over the blocks (a 32k-token request's 2,000: ~0.8 ms), which otherwise sits
-        # between the GPU's last token and the client. The next schedule() frees them before it
-        # allocates, so scheduling sees the same free blocks either way.
-        self.defer_frees = False
+        # With defer_block_updates (the engine's busy loop sets it), two kinds of block bookkeeping
+        # wait for apply_deferred_block_updates(), which the loop calls once a step is submitted and
+        # its outputs are sent, so that neither sits between the GPU and the client:
+        #   - freeing the blocks of requests that finished (or were aborted): a Python loop over
+        #     them (a 32k-token request's 2,000: ~0.8 ms) between the GPU's last token and the client;
+        #   - registering the blocks a step fills in the prefix cache (KVCacheManager.defer_caching):
+        #     hashing a 16k-token chunk's 1,024 blocks between the scheduler and the GPU.
+        # The next schedule() applies them first, and every prefix-cache lookup registers what
+        # waits, so no step is scheduled differently. Not with a KV connector.
+        self._defer_block_updates = False
         self._finished_blocks: list[list[KVCacheBlock]] = []
 
     # ------------------------------------------------------------------ requests in and out
@@ -265,8 +269,8 @@ class Scheduler:
         return min(request.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Finish live requests as aborted and free their blocks (now; with defer_frees, at the next
-        free_finished_blocks or schedule); other ids are ignored."""
+        """Finish live requests as aborted and free their blocks (now; with defer_block_updates, at
+        the next apply_deferred_block_updates or schedule); other ids are ignored."""
         outputs: list[EngineCoreOutput] = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -299,15 +303,26 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def free_finished_blocks(self) -> None:
-        """Give back the blocks whose freeing defer_frees put off (a no-op if none wait)."""
+    @property
+    def defer_block_updates(self) -> bool:
+        return self._defer_block_updates
+
+    @defer_block_updates.setter
+    def defer_block_updates(self, defer: bool) -> None:
+        self._defer_block_updates = defer
+        self.kv_cache_manager.defer_caching = defer and self.connector is None
+
+    def apply_deferred_block_updates(self) -> None:
+        """Register the filled blocks and give back the finished requests' blocks that
+        defer_block_updates put off (a no-op if none wait)."""
+        self.kv_cache_manager.cache_deferred_blocks()
         for blocks in self._finished_blocks:
             self.kv_cache_manager.free_blocks(blocks)
         self._finished_blocks.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; only while no request holds blocks. Returns success."""
-        self.free_finished_blocks()
+        self.apply_deferred_block_updates()
         if not self.kv_cache_manager.reset_prefix_cache():
             return False
         if self.connector is not None:
@@ -315,7 +330,7 @@ class Scheduler:
         return True
 
     def make_stats(self) -> EngineStats:
-        self.free_finished_blocks()
+        self.apply_deferred_block_updates()
         manager = self.kv_cache_manager
         return EngineStats(
             num_running_reqs=len(self.running),
@@ -337,7 +352,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        self.free_finished_blocks()
+        self.apply_deferred_block_updates()
         if self.connector is not None and (self.waiting_for_remote_kvs or self.held_blocks):
             self._expire_kv_transfers(time.monotonic())
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
@@ -716,12 +731,12 @@ class Scheduler:
         )
 
     def _free_request(self, request: Request, load_in_flight: bool = False) -> dict | None:
-        """Forget a finished request: its blocks go back now (with defer_frees, at
-        free_finished_blocks; with a KV connector, once it is done with them); the worker hears of
-        it next step. Returns the connector's kv_transfer_params for the client."""
+        """Forget a finished request: its blocks go back now (with defer_block_updates, at
+        apply_deferred_block_updates; with a KV connector, once it is done with them); the worker
+        hears of it next step. Returns the connector's kv_transfer_params for the client."""
         assert request.is_finished
         kv_transfer_params = None
-        if self.connector is None and self.defer_frees:
+        if self.connector is None and self.defer_block_updates:
             self._finished_blocks.append(self.kv_cache_manager.take_blocks(request))
         elif self.connector is None:
             self.kv_cache_manager.free(request)

@@ -44,6 +44,26 @@ def test_free_queue_popleft_append_remove_keep_order() -> None:
     assert len(queue) == 0 and queue.get_all_free_blocks() == []
 
 
+def test_free_queue_popleft_n_takes_the_head_in_order() -> None:
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.remove(blocks[1])
+    assert queue.popleft_n(0) == [] and len(queue) == 5
+    assert [b.block_id for b in queue.popleft_n(3)] == [0, 2, 3]
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in blocks[:4])
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [4, 5] and len(queue) == 2
+    queue.appendleft(blocks[0])  # the list still links both ways at the splice
+    queue.append(blocks[2])
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 4, 5, 2]
+    with pytest.raises(ValueError):
+        queue.popleft_n(5)  # more than are free: nothing taken
+    assert len(queue) == 4
+    assert [b.block_id for b in queue.popleft_n(4)] == [0, 4, 5, 2]
+    assert len(queue) == 0 and queue.get_all_free_blocks() == []
+    queue.append(blocks[3])  # and an emptied queue takes blocks again
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [3]
+
+
 def test_free_queue_appendleft_puts_a_block_next_in_line() -> None:
     blocks = [KVCacheBlock(i) for i in range(4)]
     queue = FreeKVCacheBlockQueue(blocks[:2])

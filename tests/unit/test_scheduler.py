@@ -338,21 +338,24 @@ def test_abort_running_and_waiting_requests_frees_blocks_at_once() -> None:
     assert sorted(out.finished_req_ids) == ["a", "b"]
 
 
-@pytest.mark.parametrize("free_after_each_step", [False, True])
-def test_deferred_frees_change_no_step(free_after_each_step: bool) -> None:
-    """defer_frees, as the engine's busy loop runs the scheduler: a finished or aborted request's
-    blocks stay taken until free_finished_blocks() (after its output went out) or the next
-    schedule(), which frees them before it allocates and in the same order. So the same workload
-    hands out the same blocks, step by step, as with immediate frees, prefix-cache hits included."""
+@pytest.mark.parametrize("apply_after_each_step", [False, True])
+def test_deferred_block_updates_change_no_step(apply_after_each_step: bool) -> None:
+    """defer_block_updates, as the engine's busy loop runs the scheduler: a finished or aborted
+    request's blocks stay taken, and the blocks a step fills stay out of the prefix cache, until
+    apply_deferred_block_updates() (after the step and its outputs went out), the next schedule()
+    or a prefix-cache lookup. So the same workload hands out the same blocks and the same prefix-cache
+    hits, step by step, as with immediate updates, and the cache holds the same blocks once applied."""
     traces = []
     for defer in (False, True):
         rng = random.Random(5)
         scheduler, worker = make_scheduler(num_gpu_blocks=40, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
-        scheduler.defer_frees = defer
+        scheduler.defer_block_updates = defer
         manager = scheduler.kv_cache_manager
+        assert manager.defer_caching == defer
         for i, prompt in enumerate(random_prompts(rng, 14, 1, 30)):
             scheduler.add_request(make_request(f"r{i}", prompt_token_ids=prompt, max_tokens=rng.randint(1, 6)))
         trace = []
+        num_steps_caching_waited = 0
         while scheduler.has_unfinished_requests():
             if len(trace) == 3 and scheduler.running:  # an abort between steps: deferred too
                 scheduler.abort_requests([scheduler.running[-1].request_id])
@@ -361,14 +364,21 @@ def test_deferred_frees_change_no_step(free_after_each_step: bool) -> None:
             waiting = scheduler._finished_blocks
             assert len(waiting) == (len(finished) if defer else 0)
             assert all(block.ref_cnt >= 1 for blocks in waiting for block in blocks)  # still taken
+            if manager._blocks_to_cache:  # filled blocks the step did not register yet
+                assert defer
+                num_steps_caching_waited += 1
             free_before = manager.get_num_free_blocks()
-            if free_after_each_step:
-                scheduler.free_finished_blocks()
-                assert not waiting and manager.get_num_free_blocks() >= free_before
+            cache = manager.block_pool.cached_block_hash_to_block
+            if apply_after_each_step:
+                scheduler.apply_deferred_block_updates()
+                assert not waiting and not manager._blocks_to_cache
+                assert manager.get_num_free_blocks() >= free_before
+                trace.append(sorted((h, block.block_id) for h, block in cache.items()))
             trace.append((out, outputs))
-        scheduler.free_finished_blocks()
+        scheduler.apply_deferred_block_updates()
         assert_no_leak(scheduler)
         traces.append(trace)
+        assert (num_steps_caching_waited > 0) == defer
     assert traces[0] == traces[1]
 
 
