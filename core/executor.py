@@ -219,9 +219,8 @@ class ChannelExecutor:
         self.stop_workers(timeout=1.0 if self.hung or any_dead else 5.0)
         if self.authenticator is not None:
             self.authenticator.stop()
-        for channel in self.work_channels:
-            if isinstance(channel, StreamChannel):
-                channel.close()
+        for channel in {*self.work_channels, *self.result_channels}:
+            channel.close()
         self.ctx.destroy(linger=0)
         for address in [self.result_address, *self.work_addresses]:
             remove_ipc_file(address)

@@ -51,7 +51,7 @@ class StreamChannel:
         else:
             self._outbox.extend((memoryview(header), memoryview(payload)))
         while not self.flush() and wait:
-            select.select([], [self.sock], [])
+            self._wait_for(select.POLLOUT, None)
 
     def flush(self) -> bool:
         """Write what waits in the outbox as far as the socket takes it now; True once all is out."""
@@ -75,8 +75,13 @@ class StreamChannel:
 
     def poll(self, timeout_ms: int) -> bool:
         """Whether a message (at least its first bytes) can be read, waiting up to timeout_ms."""
-        readable, _, _ = select.select([self.sock], [], [], timeout_ms / 1000)
-        return bool(readable)
+        return self._wait_for(select.POLLIN, timeout_ms)
+
+    def _wait_for(self, event: int, timeout_ms: int | None) -> bool:
+        # (poll, not select: select fails on descriptors past 1023, which a busy process may reach)
+        poller = select.poll()
+        poller.register(self.pollable, event)
+        return bool(poller.poll(timeout_ms))
 
     def recv(self) -> bytearray:
         """The next message, waiting for it. Raises ChannelClosed at the end of the stream."""

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from minivllm.protocol.channels import open_worker_channels
+from minivllm.protocol.channels import ChannelClosed, open_worker_channels
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import exit_without_teardown
 from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
@@ -161,6 +161,9 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
                 # Every rank got Shutdown: none is left inside a collective.
                 destroy_distributed(graphs_captured=worker.model_runner.graphs is not None)
                 return 0
+    except ChannelClosed:  # (a local worker's socket pair: the EngineCore is gone, nobody to tell)
+        logger.warning("worker %d: the EngineCore closed its channel; exiting", rank)
+        return 1
     except Exception:
         logger.exception("worker %d failed in %s", rank, method)
         reply(method, error=traceback.format_exc())
