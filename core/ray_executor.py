@@ -6,9 +6,10 @@ placement group puts on the cluster's nodes, possibly other hosts than the Engin
 
 Ray places the workers, gives rank 0's node address for the torch.distributed group, and reports
 a dead actor or node; it carries nothing of the steps, which travel over ZMQ channels
-(ChannelExecutor's transport, which the mp executor shares with socket pairs instead). The placement group has one bundle per rank (one GPU on CUDA,
-one CPU otherwise); the group is packed onto one node when a node has room for all of it
-(STRICT_PACK), else spread over as few nodes as fit (PACK), as vLLM does. With pipeline
+(ChannelExecutor's transport, which the mp executor uses with socket pairs instead). The placement
+group has one bundle per rank (one GPU on CUDA, one CPU otherwise); the group is packed onto one
+node when a node has room for all of it (STRICT_PACK), else spread over as few nodes as fit (PACK),
+as vLLM does. With pipeline
 parallelism there is one such group per stage (its TP group), and the stages may land on
 different nodes.
 
