@@ -43,6 +43,10 @@ class StreamChannel:
         self.sock = sock
         self.pollable = sock.fileno()
         self._outbox: deque[memoryview] = deque()
+        # (poll, not select: select fails on descriptors past 1023, which a busy process may reach)
+        self._readable, self._writable = select.poll(), select.poll()
+        self._readable.register(self.pollable, select.POLLIN)
+        self._writable.register(self.pollable, select.POLLOUT)
 
     def send(self, payload: bytes, wait: bool = False) -> None:
         header = len(payload).to_bytes(_HEADER_BYTES, "little")
@@ -51,7 +55,7 @@ class StreamChannel:
         else:
             self._outbox.extend((memoryview(header), memoryview(payload)))
         while not self.flush() and wait:
-            self._wait_for(select.POLLOUT, None)
+            self._writable.poll()
 
     def flush(self) -> bool:
         """Write what waits in the outbox as far as the socket takes it now; True once all is out."""
@@ -75,13 +79,7 @@ class StreamChannel:
 
     def poll(self, timeout_ms: int) -> bool:
         """Whether a message (at least its first bytes) can be read, waiting up to timeout_ms."""
-        return self._wait_for(select.POLLIN, timeout_ms)
-
-    def _wait_for(self, event: int, timeout_ms: int | None) -> bool:
-        # (poll, not select: select fails on descriptors past 1023, which a busy process may reach)
-        poller = select.poll()
-        poller.register(self.pollable, event)
-        return bool(poller.poll(timeout_ms))
+        return bool(self._readable.poll(timeout_ms))
 
     def recv(self) -> bytearray:
         """The next message, waiting for it. Raises ChannelClosed at the end of the stream."""
