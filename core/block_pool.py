@@ -204,8 +204,7 @@ class BlockPool:
         new_blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in new_blocks:
             assert block.ref_cnt == 0, block
-            if block.block_hash is not None:
-                self._evict(block)
+            self._evict(block)
             block.ref_cnt = 1
         return new_blocks
 

@@ -99,8 +99,6 @@ class ChannelExecutor:
         self.curve_secret: str | None = None  # set when the sockets are TCP: the workers' key
         self.result_address = ""
         self.work_addresses: list[str] = []
-        self.work_sockets: list[zmq.Socket] = []
-        self.result_socket: zmq.Socket | None = None
         # Rank -> its work channel; the channels answers come in on (ZMQ: one shared socket;
         # socket pairs: the work channels themselves, which carry both ways).
         self.work_channels: list[Channel] = []
@@ -128,9 +126,8 @@ class ChannelExecutor:
                 port = sock.bind_to_random_port(f"tcp://{_bracket(tcp_host)}")
                 address = f"tcp://{_bracket(tcp_host)}:{port}"
             addresses.append(address)
-        self.result_socket, self.work_sockets = sockets[0], sockets[1:]
         self.result_address, self.work_addresses = addresses[0], addresses[1:]
-        self._use_channels([ZmqChannel(sock) for sock in self.work_sockets], [ZmqChannel(self.result_socket)])
+        self._use_channels([ZmqChannel(sock) for sock in sockets[1:]], [ZmqChannel(sockets[0])])
 
     def open_socket_pairs(self) -> list[socket.socket]:
         """A Unix socket pair per rank, for workers on this host: returns the workers' ends, one

@@ -9,9 +9,8 @@ a dead actor or node; it carries nothing of the steps, which travel over ZMQ cha
 (ChannelExecutor's transport, which the mp executor uses with socket pairs instead). The placement
 group has one bundle per rank (one GPU on CUDA, one CPU otherwise); the group is packed onto one
 node when a node has room for all of it (STRICT_PACK), else spread over as few nodes as fit (PACK),
-as vLLM does. With pipeline
-parallelism there is one such group per stage (its TP group), and the stages may land on
-different nodes.
+as vLLM does. With pipeline parallelism there is one such group per stage (its TP group), and the
+stages may land on different nodes.
 
 Like ray.init(address="auto"), the executor joins the cluster that runs on this host ($RAY_ADDRESS,
 if set, names it); with none, Ray starts a local one for this EngineCore alone. Actors and placement group are

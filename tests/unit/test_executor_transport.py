@@ -47,19 +47,20 @@ def test_tcp_sockets_admit_only_the_executors_key(tiny_llama) -> None:
                 sock.send(encode(WorkerReply(0, "ready", 1)), flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        assert executor.result_socket.poll(1000) == 0
+        results = executor.result_channels[0]
+        assert not results.poll(1000)
 
         worker = ctx.socket(zmq.PUSH)
         CurveKeys(executor.curve_secret).make_client(worker)
         worker.connect(executor.result_address)
         worker.send(encode(WorkerReply(1, "ready", 42)))
-        assert executor.result_socket.poll(5000)
-        assert worker_output_decoder.decode(executor.result_socket.recv()) == WorkerReply(1, "ready", 42)
+        assert results.poll(5000)
+        assert worker_output_decoder.decode(results.recv()) == WorkerReply(1, "ready", 42)
 
         inbox = ctx.socket(zmq.PULL)  # and the work sockets: a keyed worker receives its steps
         CurveKeys(executor.curve_secret).make_client(inbox)
         inbox.connect(executor.work_addresses[1])
-        executor.work_sockets[1].send(b"step")
+        executor.work_channels[1].send(b"step")
         assert inbox.poll(5000) and inbox.recv() == b"step"
     finally:
         ctx.destroy(linger=0)
