@@ -252,23 +252,28 @@ class ChannelExecutor:
         try:
             message = worker_output_decoder.decode(channel.recv())
         except ChannelClosed:
-            self._worker_gone()
+            self._worker_gone(channel)
         if isinstance(message, WorkerReply) and message.error is not None:
             self._blame_dead_sibling(message.rank)
             raise WorkerDiedError(f"worker {message.rank} failed in {message.method}:\n{message.error}")
         return message
 
     def _send_to_all(self, payload: bytes) -> None:
-        try:
-            for channel in self.work_channels:
+        for channel in self.work_channels:
+            try:
                 channel.send(payload)
-        except ChannelClosed:
-            self._worker_gone()
+            except ChannelClosed:
+                self._worker_gone(channel)
 
-    def _worker_gone(self) -> NoReturn:
-        """A local worker's socket pair closed: its process is exiting. Name it once it has."""
-        self._blame_dead_sibling(-1, grace_s=self.exit_grace_s)
-        raise WorkerDiedError(f"a worker closed its channel and has not exited ({self.describe_workers()})")
+    def _worker_gone(self, channel: Channel) -> NoReturn:
+        """A local worker's socket pair closed: its process is exiting. Name that worker (the
+        rank of the channel; not a sibling that may exit after it) once it shows as exited."""
+        rank = self.work_channels.index(channel)
+        deadline = time.monotonic() + self.exit_grace_s
+        while (reason := self.dead_worker(rank)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise WorkerDiedError(reason or f"worker {rank} closed its channel but has not exited "
+                                        f"({self.describe_workers()})")
 
     def _poll(self, timeout_ms: int) -> Channel | None:
         """A result channel with a message to read, waiting up to timeout_ms; meanwhile steps
@@ -284,7 +289,7 @@ class ChannelExecutor:
                     if events.get(channel.pollable, 0) & zmq.POLLOUT and channel.flush():
                         self.poller.modify(channel.pollable, zmq.POLLIN)
                 except ChannelClosed:
-                    self._worker_gone()
+                    self._worker_gone(channel)
             unsent = [channel for channel in unsent if channel.has_unsent]
             for channel in self.result_channels:
                 if events.get(channel.pollable, 0) & zmq.POLLIN:
@@ -292,20 +297,14 @@ class ChannelExecutor:
             if time.monotonic() >= deadline:
                 return None
 
-    def _blame_dead_sibling(self, reporter: int, grace_s: float | None = None) -> None:
+    def _blame_dead_sibling(self, reporter: int) -> None:
         """With several workers, one that dies makes its siblings' next collective fail; name the
-        dead one (the cause) rather than the sibling that reported the broken collective.
-        (reporter -1: nobody reported; a channel closed. grace_s: how long to wait for the death
-        to show, by default blame_grace_s with several workers.)"""
-        if grace_s is None:
-            grace_s = self.blame_grace_s if self.world_size > 1 else 0.0
-        deadline = time.monotonic() + grace_s
+        dead one (the cause) rather than the sibling that reported the broken collective."""
+        deadline = time.monotonic() + (self.blame_grace_s if self.world_size > 1 else 0.0)
         while True:
             for rank in range(self.world_size):
                 if rank != reporter and (reason := self.dead_worker(rank)) is not None:
-                    if reporter >= 0:
-                        reason = f"{reason}; worker {reporter} then lost it in a collective"
-                    raise WorkerDiedError(reason)
+                    raise WorkerDiedError(f"{reason}; worker {reporter} then lost it in a collective")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)

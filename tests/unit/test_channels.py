@@ -104,7 +104,8 @@ def test_an_inherited_address_is_one_channel_both_ways() -> None:
 
 class _ThreadWorkers(ChannelExecutor):
     """Workers as threads of this process on the executor's socket pairs, answering each WorkerCall
-    with the length of its first argument; a call to "exit" closes the worker's end instead."""
+    with the length of its first argument; at a call to "exit" rank 0 closes its end instead (the
+    others answer it)."""
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -125,7 +126,7 @@ class _ThreadWorkers(ChannelExecutor):
             if isinstance(message, Shutdown):
                 break
             assert isinstance(message, WorkerCall)
-            if message.method == "exit":
+            if message.method == "exit" and rank == 0:
                 self.closed.add(rank)
                 break
             results.send(encode(WorkerReply(rank, message.method, len(message.args[0]))), wait=True)
