@@ -232,6 +232,13 @@ class KVCacheManager:
             return
         self._register_full_blocks(request, blocks, num_full_blocks, num_cached_blocks)
 
+    def num_deferred_blocks(self) -> int:
+        """About how many blocks cache_deferred_blocks() would register (an entry's count as it was
+        set aside: an earlier entry of the same request may register some of them first)."""
+        return sum(max(min(num_tokens, request.num_tokens) // self.block_size
+                       - self.num_cached_blocks.get(request.request_id, 0), 0)
+                   for request, _, num_tokens in self._blocks_to_cache)
+
     def cache_deferred_blocks(self) -> None:
         """Register the blocks defer_caching set aside, in the order they were filled."""
         waiting, self._blocks_to_cache = self._blocks_to_cache, []

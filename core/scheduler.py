@@ -312,6 +312,11 @@ class Scheduler:
         self._defer_block_updates = defer
         self.kv_cache_manager.defer_caching = defer and self.connector is None
 
+    def num_deferred_block_updates(self) -> int:
+        """About how many blocks apply_deferred_block_updates() would go through: the finished
+        requests' and those waiting to be registered."""
+        return sum(map(len, self._finished_blocks)) + self.kv_cache_manager.num_deferred_blocks()
+
     def apply_deferred_block_updates(self) -> None:
         """Register the filled blocks and give back the finished requests' blocks that
         defer_block_updates put off (a no-op if none wait)."""
