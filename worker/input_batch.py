@@ -239,17 +239,23 @@ class InputBatch:
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
+        # Token t of request i sits at position start[i] + (t - query_start_loc[i]): each request's
+        # tokens are a run, so a token's indices are its request's plus t, one repeat per array (a
+        # 16k-token chunk: ~6 passes over its tokens, where a gather of every per-request value for
+        # every token took twice that).
         if max_query_len == 1 and num_tokens == num_reqs:  # decode only: token i is request i's
-            positions, token_rows, token_num_known = start, rows, num_known
-        else:  # for token t of request i: position start[i] + (t - query_start_loc[i])
-            token_req = np.repeat(np.arange(num_reqs), query_lens)
-            positions = np.arange(num_tokens) - query_start_loc[token_req] + start[token_req]
-            token_rows, token_num_known = rows[token_req], num_known[token_req]
-        input_ids = self.token_ids[token_rows, positions]
-        slot_mapping = (
-            self.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
-            + positions % self.block_size
-        )
+            positions = start
+            token_id_index = rows * self.token_ids.shape[1] + positions
+            block_index = rows * self.block_table.shape[1] + positions // self.block_size
+        else:
+            position_offset = np.repeat(start - query_start_loc[:-1], query_lens)
+            positions = np.arange(num_tokens) + position_offset
+            token_id_index = positions + np.repeat(rows * self.token_ids.shape[1], query_lens)
+            block_index = positions // self.block_size + np.repeat(rows * self.block_table.shape[1], query_lens)
+        input_ids = self.token_ids.reshape(-1).take(token_id_index)
+        slot_mapping = self.block_table.reshape(-1).take(block_index).astype(np.int64)
+        slot_mapping *= self.block_size
+        slot_mapping += positions % self.block_size
         max_seq_len = int(seq_lens.max())
         num_columns = -(-max_seq_len // self.block_size)
         if np.any(self.num_blocks[rows] * self.block_size < seq_lens):
@@ -268,9 +274,12 @@ class InputBatch:
             offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             spec_logits_indices = np.repeat(first, counts) + offsets
         self.num_computed_tokens[rows] = seq_lens  # written by this step's forward
-        # Tokens the previous step sampled and the host has not seen yet (only ever a row's last).
-        token_pending = self.pending[token_rows]
-        pending_token_index = np.flatnonzero((token_pending >= 0) & (positions == token_num_known - 1))
+        # Tokens the previous step sampled and the host has not seen yet: only ever a row's last
+        # known one, so at most one per request, found per request (in token order).
+        row_pending = self.pending[rows]
+        last_known = num_known - 1
+        has_pending = (row_pending >= 0) & (start <= last_known) & (last_known < seq_lens)
+        pending_token_index = (query_start_loc[:-1] + last_known - start)[has_pending]
         return StepInputs(
             req_ids=req_ids,
             input_ids=input_ids,
@@ -285,7 +294,7 @@ class InputBatch:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             pending_token_index=pending_token_index,
-            pending_source=token_pending[pending_token_index],
+            pending_source=row_pending[has_pending],
             num_draft_tokens=sampled_num_drafts,
             spec_logits_indices=spec_logits_indices,
         )
