@@ -111,7 +111,7 @@ def report(events, steps: list) -> None:
         entry[1] += e - s
     total = sum(t for _, t in by_name.values())
     print(f"GPU_IDLE kernel time by name ({total / 1e3:.1f} ms in all):", flush=True)
-    for name, (count, spent) in sorted(by_name.items(), key=lambda item: -item[1][1])[:25]:
+    for name, (count, spent) in sorted(by_name.items(), key=lambda item: -item[1][1])[:40]:
         print(f"GPU_IDLE   {spent / 1e3:9.2f} ms {count:6d}x  {name}", flush=True)
     print(f"GPU_IDLE {len(steps)} steps: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle "
           f"{(span - busy) / 1e3:.1f} ms ({sum(g for g, _, _ in gaps if g > 1000) / 1e3:.1f} ms in gaps over 1 ms)",
