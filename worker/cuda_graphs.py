@@ -56,6 +56,7 @@ from minivllm.worker.attention.metadata import (
     AttentionMetadata,
     step_splits_decodes,
 )
+from minivllm.worker import output_rows
 from minivllm.worker.input_batch import StepInputs
 from minivllm.worker.step_buffers import StepBuffers
 
@@ -63,7 +64,8 @@ __all__ = ["StepBuffers", "StepGraphs", "run_forward", "max_step_tokens"]
 
 logger = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+# (input ids, positions, metadata[, output_rows=...]) -> hidden states (a pipeline stage's: and residual)
+Forward = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 # Hidden states [n, hidden] -> nothing: samples the n rows into StepBuffers.sampled[:n].
 Sample = Callable[[torch.Tensor], None]
 
@@ -235,11 +237,20 @@ PatchInputIds = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 def run_forward(forward: Forward, step: StepInputs, buffers: StepBuffers | None, graphs: StepGraphs | None,
                 kv_layout: KVCacheLayout, patch_input_ids: PatchInputIds | None = None,
-                sample: bool = False) -> torch.Tensor:
+                sample: bool = False, sampled_rows_only: bool = False) -> torch.Tensor:
     """One forward pass over a step: a captured graph when one fits it, else eager from the
     persistent buffers (CUDA) or the host arrays (CPU). `patch_input_ids` may overwrite input ids
     in place once they are loaded (ids that are still on the device). `sample`: replay the
-    step's sampling graph too (graphs.can_sample(step) must hold)."""
+    step's sampling graph too (graphs.can_sample(step) must hold). `sampled_rows_only`: an eager
+    step with prompt chunks may run its last layer for the sampled rows alone and return only
+    theirs (worker/output_rows.py; it sets step.hidden_rows_sampled when it does)."""
+    def forward_eager(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if not (sampled_rows_only and output_rows.wanted(step)):
+            return forward(input_ids, positions, metadata)
+        step.hidden_rows_sampled = True
+        return forward(input_ids, positions, metadata,
+                       output_rows=output_rows.output_rows(step, kv_layout, input_ids.device))
+
     if buffers is None:
         # A copy: patching must not write into the step's host array (a draft model's catch-up
         # reads that array afterwards and patches for itself, as it must on CUDA).
@@ -249,7 +260,7 @@ def run_forward(forward: Forward, step: StepInputs, buffers: StepBuffers | None,
             index, source = (none, none) if step.pending_token_index is None else \
                 (step.pending_token_index, step.pending_source)
             patch_input_ids(input_ids, torch.from_numpy(index), torch.from_numpy(source))
-        return forward(input_ids, torch.from_numpy(step.positions), host_metadata(step, kv_layout))
+        return forward_eager(input_ids, torch.from_numpy(step.positions), host_metadata(step, kv_layout))
 
     def patch() -> None:  # (the step's own ids, not a graph's padding)
         if patch_input_ids is not None:
@@ -262,5 +273,5 @@ def run_forward(forward: Forward, step: StepInputs, buffers: StepBuffers | None,
     assert not sample, "sampling in a graph without one for the step"
     metadata = buffers.load(step)
     patch()
-    return forward(*buffers.forward_inputs, metadata)
+    return forward_eager(*buffers.forward_inputs, metadata)
 

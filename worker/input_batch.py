@@ -48,6 +48,9 @@ class StepInputs:
     # and Philox seeds, which go to the device with its other inputs.
     sample_temperature: np.ndarray | None = None
     sample_seeds: np.ndarray | None = None
+    # Set by the forward when it returned hidden states for the rows at logits_indices alone, in
+    # that order (worker/output_rows.py).
+    hidden_rows_sampled: bool = False
 
     @property
     def num_tokens(self) -> int:

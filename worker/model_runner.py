@@ -39,6 +39,7 @@ from minivllm.worker.kv_connector import make_kv_connector_driver
 from minivllm.worker.logits_processors import apply_logits_processors
 from minivllm.worker.logprobs import sampled_logprobs
 from minivllm.worker.models.loader import describe, load_model
+from minivllm.worker.output_rows import OutputRows
 from minivllm.worker.pipeline import apply_new_token_ids, make_pipeline_stage
 from minivllm.worker.prompt_logprobs import gather_prompt_logprobs
 from minivllm.worker.sampler import Sampler, SamplingMetadata, reseed_generators
@@ -279,13 +280,13 @@ class ModelRunner:
     # ------------------------------------------------------------ one step
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 output_rows: OutputRows | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward a graph captures; a pipeline stage's reads the previous stage's activations
         from its persistent inputs, and returns (hidden states, residual) on a stage before the last."""
         if self.stage is not None:
             intermediate = self.stage.intermediate(input_ids.shape[0])
             return self.model(input_ids, positions, self.kv_caches, metadata, intermediate)
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata, output_rows=output_rows)
 
     def _graph_sample(self, hidden_states: torch.Tensor) -> None:
         """What a sampling graph captures: the LM head over every row of a decode bucket, then the
@@ -368,9 +369,10 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, list | None]:
         """The step's sampled ids (one per sampling row, in order) and their logprobs (None when
         no row asked), from its hidden states."""
-        logits_indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
         batch, rows = self.input_batch, step.sampling_rows
-        raw_logits = self.model.compute_logits(hidden_states[logits_indices])
+        if not step.hidden_rows_sampled:  # (else the forward returned those rows alone)
+            hidden_states = hidden_states[torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)]
+        raw_logits = self.model.compute_logits(hidden_states)
         logits = apply_logits_processors(raw_logits, batch, rows)
         request_seeds = batch.seed[rows]
         # Only a row with a seed has a generator of its own (most steps have none).
@@ -420,8 +422,14 @@ class ModelRunner:
         went on to the next stage)."""
         if self.stage is not None:
             self.stage.receive(step.num_tokens)
+        # Every row's hidden state is read where prompts are scored or drafts proposed and
+        # verified; a stage before the last never holds the last layer; an FP8 cache's prefill
+        # reads a chunk's own keys unquantized (worker/output_rows.py).
+        sampled_rows_only = (self.stage is None and self.spec_decoder is None and not self.kv_layout.fp8
+                             and not self.input_batch.prompt_logprobs_reqs)
         out = run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout,
-                          patch_input_ids=self._patch_pending_inputs, sample=sample)
+                          patch_input_ids=self._patch_pending_inputs, sample=sample,
+                          sampled_rows_only=sampled_rows_only)
         return out if self.stage is None else self.stage.finish(out)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

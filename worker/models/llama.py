@@ -45,6 +45,7 @@ from minivllm.worker.models.parallel_layers import (
     divide,
     vocab_parallel_logits,
 )
+from minivllm.worker.output_rows import OutputRows
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class RotaryEmbedding(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
-        hidden_size = hf_config.hidden_size
+        hidden_size = self.hidden_size = hf_config.hidden_size
         tp_size, tp_rank = get_tp_world_size(), get_tp_rank()
         total_heads = hf_config.num_attention_heads
         total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
@@ -188,9 +189,11 @@ class LlamaAttention(nn.Module):
         qkv: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
         """Attention from the qkv projection's output (the decoder layer runs qkv_proj, fused with
-        the norm before it)."""
+        the norm before it). With output_rows, every token's K/V is stored but only those rows
+        attend, and only their outputs come back (worker/output_rows.py)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -211,6 +214,14 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=kv_store)
         else:
             q, k = self.rotary_emb(positions, q, k, kv_store=kv_store)
+        if output_rows is not None:
+            if kv_store is None:
+                self.attn_backend.store(k, v, kv_cache, attn_metadata)
+            rows = output_rows.indices
+            if not rows.shape[0]:  # a chunk that samples nothing: its K/V was all this layer owed
+                return qkv.new_empty((0, self.hidden_size))
+            out = self.attn_backend.attend(q[rows], kv_cache, output_rows.metadata, self.scale)
+            return self.o_proj(out.reshape(rows.shape[0], self.q_size))
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, kv_stored=kv_store is not None)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -251,12 +262,18 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        output_rows: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next norm adds
         them. The first layer gets residual None: its input is the residual stream. Each norm
-        runs together with the projection after it (one kernel at batch 1 on CUDA)."""
+        runs together with the projection after it (one kernel at batch 1 on CUDA).
+        output_rows: the attention and the MLP run only for those rows, which alone come back."""
         qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden_states, residual, self.input_layernorm)
-        hidden_states = self.self_attn(positions, qkv, kv_cache, attn_metadata)
+        hidden_states = self.self_attn(positions, qkv, kv_cache, attn_metadata, output_rows)
+        if output_rows is not None:
+            if not hidden_states.shape[0]:
+                return hidden_states, hidden_states
+            residual = residual[output_rows.indices]
         gate_up, residual = self.mlp.gate_up_proj.forward_normed(hidden_states, residual, self.post_attention_layernorm)
         return self.mlp.down_proj(gate_up, gated=True), residual
 
@@ -289,17 +306,25 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """intermediate: the previous stage's (hidden states, residual), on every stage but the first.
-        Returns the final normed hidden states on the last stage, else (hidden states, residual)."""
+        Returns the final normed hidden states on the last stage, else (hidden states, residual).
+        output_rows (the last stage only): the last layer runs on those rows past its K/V store,
+        and only their hidden states come back, in their order (worker/output_rows.py)."""
+        assert output_rows is None or self.norm is not None, "output_rows on a stage before the last"
         if intermediate is None:
             hidden_states, residual = self.embed_tokens(input_ids), None
         else:
             hidden_states, residual = intermediate
-        for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        last = len(self.stage_layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.stage_layers, kv_caches, strict=True)):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata,
+                                            output_rows if i == last else None)
         if self.norm is None:
             return hidden_states, residual
+        if not hidden_states.shape[0]:  # (output_rows: none sample)
+            return hidden_states
         return self.norm(hidden_states, residual)[0]
 
 
@@ -341,10 +366,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """input_ids/positions [num_tokens] -> final hidden states [num_tokens, hidden_size]
-        (pipeline stages: see LlamaModel.forward)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
+        """input_ids/positions [num_tokens] -> final hidden states [num_tokens, hidden_size], or
+        [len(output_rows.indices), hidden_size] for those rows alone (pipeline stages: see
+        LlamaModel.forward)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate, output_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] (only the rows that sample) -> full logits [n, vocab_size] on
