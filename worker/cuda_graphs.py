@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from minivllm.protocol.config import EngineConfig
+from minivllm.worker import output_rows
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import (
     DECODE_LONG_CONTEXT,
@@ -56,7 +57,6 @@ from minivllm.worker.attention.metadata import (
     AttentionMetadata,
     step_splits_decodes,
 )
-from minivllm.worker import output_rows
 from minivllm.worker.input_batch import StepInputs
 from minivllm.worker.step_buffers import StepBuffers
 

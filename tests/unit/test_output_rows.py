@@ -3,6 +3,8 @@ logits and the same KV cache as the whole layer, and the shortcut actually taken
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -28,8 +30,9 @@ def run_recording(runner: ModelRunner, scheduler: ToyScheduler) -> tuple[dict[st
     return run_to_completion(runner, scheduler), logits
 
 
-def compare_with_whole_last_layer(monkeypatch: pytest.MonkeyPatch, make: callable, requests: callable,
-                                  block_size: int, chunk_size: int, atol: float) -> int:
+def compare_with_whole_last_layer(monkeypatch: pytest.MonkeyPatch, make: Callable[[], ModelRunner],
+                                  requests: Callable[[], list[ToyRequest]], block_size: int, chunk_size: int,
+                                  atol: float) -> int:
     """Runs the same requests with the shortcut and without; returns how many steps took it."""
     taken = []
     build = output_rows.output_rows
