@@ -382,6 +382,29 @@ def test_deferred_block_updates_change_no_step(apply_after_each_step: bool) -> N
     assert traces[0] == traces[1]
 
 
+
+def test_num_deferred_block_updates_counts_what_waits() -> None:
+    """The count the engine's busy loop reads to decide whether the socket thread sends first: the
+    blocks a step filled and did not register yet, then a finished request's blocks to give back."""
+    scheduler, worker = make_scheduler(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=24)
+    scheduler.defer_block_updates = True
+    manager = scheduler.kv_cache_manager
+    scheduler.add_request(make_request("a", 50, max_tokens=1))  # 13 blocks, in chunks of 24 tokens
+    assert scheduler.num_deferred_block_updates() == 0
+    registered = []
+    while scheduler.has_unfinished_requests():
+        out, outputs = step(scheduler, worker)
+        cached_before = len(manager.block_pool.cached_block_hash_to_block)
+        expected = scheduler.num_deferred_block_updates()
+        finished = outputs and outputs[0].finish_reason is not None
+        scheduler.apply_deferred_block_updates()
+        assert scheduler.num_deferred_block_updates() == 0
+        newly = len(manager.block_pool.cached_block_hash_to_block) - cached_before
+        registered.append(newly)
+        assert expected == newly + (13 if finished else 0)
+    assert registered == [6, 6, 0]  # chunks of 24, 24 and 2 tokens: the last fills no block
+    assert_no_leak(scheduler)
+
 def test_abort_unknown_finished_or_repeated_ids_is_harmless() -> None:
     scheduler, worker = make_scheduler()
     scheduler.add_request(make_request("a", 4, max_tokens=1))
