@@ -285,7 +285,7 @@ class ModelRunner:
         from its persistent inputs, and returns (hidden states, residual) on a stage before the last."""
         if self.stage is not None:
             intermediate = self.stage.intermediate(input_ids.shape[0])
-            return self.model(input_ids, positions, self.kv_caches, metadata, intermediate)
+            return self.model(input_ids, positions, self.kv_caches, metadata, intermediate, output_rows)
         return self.model(input_ids, positions, self.kv_caches, metadata, output_rows=output_rows)
 
     def _graph_sample(self, hidden_states: torch.Tensor) -> None:
@@ -423,10 +423,10 @@ class ModelRunner:
         if self.stage is not None:
             self.stage.receive(step.num_tokens)
         # Every row's hidden state is read where prompts are scored or drafts proposed and
-        # verified; a stage before the last never holds the last layer; an FP8 cache's prefill
+        # verified; a pipeline stage before the last sends every row on; an FP8 cache's prefill
         # reads a chunk's own keys unquantized (worker/output_rows.py).
-        sampled_rows_only = (self.stage is None and self.spec_decoder is None and not self.kv_layout.fp8
-                             and not self.input_batch.prompt_logprobs_reqs)
+        sampled_rows_only = ((self.stage is None or self.stage.is_last) and self.spec_decoder is None
+                             and not self.kv_layout.fp8 and not self.input_batch.prompt_logprobs_reqs)
         out = run_forward(self._forward, step, self.buffers, self.graphs, self.kv_layout,
                           patch_input_ids=self._patch_pending_inputs, sample=sample,
                           sampled_rows_only=sampled_rows_only)

@@ -11,8 +11,9 @@ For a 32k-token prompt that is 1/28 of its attention (most of a long prefill) an
 and a chunk that samples nothing skips them entirely.
 
 Not used where every position's hidden state is wanted (prompt logprobs, speculative decoding,
-a pipeline stage), in a CUDA graph (its shapes are its bucket's), or with an FP8 cache: there the
-prefill reads a chunk's own keys unquantized, and a decode over the cache would read them in e4m3.
+a pipeline stage before the last, which sends them on), in a CUDA graph (its shapes are its
+bucket's), or with an FP8 cache: there the prefill reads a chunk's own keys unquantized, and a
+decode over the cache would read them in e4m3.
 $MINIVLLM_LAST_LAYER_ALL_ROWS=1 runs the whole last layer (for measuring).
 """
 
