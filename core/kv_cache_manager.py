@@ -223,8 +223,7 @@ class KVCacheManager:
         whole batch's K/V in a layer before attending (see SchedulerOutput). A scheduled request
         is never preempted in its own step, so a registered block is always computed.
         """
-        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
-        num_cached_blocks = self.num_cached_blocks.get(request.request_id, 0)
+        num_full_blocks, num_cached_blocks = self._full_and_registered(request, num_tokens)
         if num_full_blocks <= num_cached_blocks:
             return
         if self.defer_caching:
@@ -235,18 +234,22 @@ class KVCacheManager:
     def num_deferred_blocks(self) -> int:
         """About how many blocks cache_deferred_blocks() would register (an entry's count as it was
         set aside: an earlier entry of the same request may register some of them first)."""
-        return sum(max(min(num_tokens, request.num_tokens) // self.block_size
-                       - self.num_cached_blocks.get(request.request_id, 0), 0)
-                   for request, _, num_tokens in self._blocks_to_cache)
+        return sum(max(full - registered, 0) for full, registered in
+                   (self._full_and_registered(request, num_tokens) for request, _, num_tokens in self._blocks_to_cache))
 
     def cache_deferred_blocks(self) -> None:
         """Register the blocks defer_caching set aside, in the order they were filled."""
         waiting, self._blocks_to_cache = self._blocks_to_cache, []
         for request, blocks, num_tokens in waiting:
-            num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
-            num_cached_blocks = self.num_cached_blocks.get(request.request_id, 0)
+            # (counted again here: an earlier entry of the same request may have registered more)
+            num_full_blocks, num_cached_blocks = self._full_and_registered(request, num_tokens)
             if num_full_blocks > num_cached_blocks:
                 self._register_full_blocks(request, blocks, num_full_blocks, num_cached_blocks)
+
+    def _full_and_registered(self, request: Request, num_tokens: int) -> tuple[int, int]:
+        """How many of the request's blocks its first `num_tokens` tokens fill, and how many of its
+        blocks are registered in the prefix cache so far."""
+        return min(num_tokens, request.num_tokens) // self.block_size, self.num_cached_blocks.get(request.request_id, 0)
 
     def _register_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full_blocks: int,
                               num_cached_blocks: int) -> None:
