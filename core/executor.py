@@ -201,12 +201,9 @@ class ChannelExecutor:
         any_dead = False
         for rank, channel in enumerate(self.work_channels):
             if self.dead_worker(rank) is None:
-                try:  # (never blocks: an unconnected ZMQ peer, a full socket pair; stop_workers ends it)
-                    if isinstance(channel, ZmqChannel):
-                        channel.sock.send(payload, flags=zmq.NOBLOCK)
-                    else:
-                        channel.send(payload)
-                except (zmq.Again, ChannelClosed):
+                try:  # (a worker that cannot take it now: stop_workers ends it)
+                    channel.send_nowait(payload)
+                except ChannelClosed:
                     pass
             else:
                 any_dead = True

@@ -1,7 +1,7 @@
 """The channels between the EngineCore and its workers: ordered messages of msgspec bytes, each
 way. Nothing here decodes or pickles; a channel only moves bytes.
 
-Two kinds, one interface (send, poll, recv, close, and `pollable` for a zmq.Poller):
+Two kinds, one interface (send, send_nowait, poll, recv, close, and `pollable` for a zmq.Poller):
   StreamChannel  one end of a Unix socket pair, each message framed by its length. Local workers
                  (MpExecutor): the EngineCore makes one pair per worker and the worker inherits
                  its end, so no address exists that anything else could connect to.
@@ -56,6 +56,10 @@ class StreamChannel:
             self._outbox.extend((memoryview(header), memoryview(payload)))
         while not self.flush() and wait:
             self._writable.poll()
+
+    def send_nowait(self, payload: bytes) -> None:
+        """send: it never waits (what the socket does not take stays in the outbox)."""
+        self.send(payload)
 
     def flush(self) -> bool:
         """Write what waits in the outbox as far as the socket takes it now; True once all is out."""
@@ -116,6 +120,13 @@ class ZmqChannel:
 
     def send(self, payload: bytes, wait: bool = False) -> None:
         self.sock.send(payload)
+
+    def send_nowait(self, payload: bytes) -> None:
+        """send, unless ZMQ would have to wait (no peer connected, its queue full): then nothing."""
+        try:
+            self.sock.send(payload, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def flush(self) -> bool:
         return True
