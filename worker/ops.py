@@ -6,9 +6,8 @@ again. On CUDA each op here is one kernel that reads its inputs once:
 
   add_rms_norm     residual += x (optional), then RMSNorm(residual) * weight
   norm_rope        per-head RMSNorm (Qwen3's q/k norm, optional) then rotary embedding, of q
-                   and k in place, two programs per token (its q heads, its k heads); optionally
-                   the second then writes the token's k and v into the paged KV cache (the
-                   attention backend's store, fused)
+                   and k in place, one program per token; optionally it then writes the token's
+                   k and v into the paged KV cache (the attention backend's store, fused)
   silu_and_mul     silu(gate) * up from the fused gate|up projection
 
 The torch versions are the reference (and the CPU path); they follow HF's order of operations
@@ -29,7 +28,7 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from minivllm.worker.attention.triton_attention import (STORE_KV_STRIDES, normed_rotated_heads, store_kv_args,
-                                                             write_kv_heads)
+                                                             store_token_kv)
 except ImportError:  # CPU-only torch builds have no Triton: the torch versions serve
     triton = None
 
@@ -117,19 +116,6 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + offs, (xf * rstd).to(x.dtype) * w, mask=mask)
 
     @triton.jit
-    def _norm_rope_heads(base, heads, head_valid, dims, dim_valid, norm_ptr, cos_ptr, sin_ptr, pos, eps,
-                         HEAD_DIM: tl.constexpr, HALF_ROT: tl.constexpr, HAS_NORM: tl.constexpr):
-        """Norm and rotate one token's head vectors at base in place; returns them."""
-        rotated = normed_rotated_heads(base, heads, HEAD_DIM, head_valid, dims, dim_valid, norm_ptr, cos_ptr,
-                                       sin_ptr, pos, eps, HEAD_DIM, HALF_ROT, HAS_NORM)
-        # Every thread's loads (a dim's rotation partner may be another warp's) land before any
-        # thread stores.
-        tl.debug_barrier()
-        tl.store(base + heads[:, None] * HEAD_DIM + dims[None, :], rotated,
-                 mask=head_valid[:, None] & dim_valid[None, :])
-        return rotated
-
-    @triton.jit
     def _norm_rope_kernel(q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr,
                           stride_q_token, stride_k_token, eps,
                           # store_token_kv's arguments (triton_attention.store_kv_args), used with STORE_KV
@@ -138,41 +124,45 @@ if triton is not None:
                           stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                           stride_v_dim, stride_scale_block, stride_scale_slot, stride_scale_head,
                           NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HALF_ROT: tl.constexpr, Q_HEADS_PADDED: tl.constexpr, K_HEADS_PADDED: tl.constexpr,
-                          DIM_PADDED: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+                          HALF_ROT: tl.constexpr, HEADS_PADDED: tl.constexpr, DIM_PADDED: tl.constexpr,
+                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
                           NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                           MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
-        # Two programs per token, side by side: (token, 0) rotates the query heads, (token, 1) the
-        # key heads and, with STORE_KV, writes them from its registers with the value heads. One
-        # program doing both waited on each part's loads in turn (5.5 us a layer for a 256-token
-        # FP8 decode step on an H100).
         if PDL:  # (worker/pdl.py) positions are a step input: read before waiting
             gdc_launch_dependents()
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + token).to(tl.int64)
         if PDL:
             gdc_wait()
+        heads = tl.arange(0, HEADS_PADDED)
         dims = tl.arange(0, DIM_PADDED)
         dim_valid = dims < HEAD_DIM
-        if tl.program_id(1) == 0:
-            q_heads = tl.arange(0, Q_HEADS_PADDED)
-            _norm_rope_heads(q_ptr + token * stride_q_token, q_heads, q_heads < NUM_Q_HEADS, dims, dim_valid,
-                             q_norm_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM, HALF_ROT, HAS_NORM)
-        else:
-            k_heads = tl.arange(0, K_HEADS_PADDED)
-            k_valid = k_heads < NUM_K_HEADS
-            if STORE_KV:  # (loaded before the rotation's barrier, so that they are in flight with k)
-                slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-                value = tl.load(value_ptr + token * stride_value_token + k_heads[:, None] * stride_value_head
-                                + dims[None, :], mask=k_valid[:, None] & dim_valid[None, :])
-            k_rotated = _norm_rope_heads(k_ptr + token * stride_k_token, k_heads, k_valid, dims, dim_valid,
-                                         k_norm_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM, HALF_ROT, HAS_NORM)
-            if STORE_KV:
-                write_kv_heads(k_rotated, value, k_heads, k_valid, dims, dim_valid, slot, k_cache_ptr, v_cache_ptr,
-                               k_scale_ptr, v_scale_ptr, stride_cache_block, stride_k_slot, stride_k_head,
-                               stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block, stride_scale_slot,
-                               stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
+        for which in tl.static_range(2):
+            if which == 0:
+                base = q_ptr + token * stride_q_token
+                num_heads = NUM_Q_HEADS
+                norm_ptr = q_norm_ptr
+            else:
+                base = k_ptr + token * stride_k_token
+                num_heads = NUM_K_HEADS
+                norm_ptr = k_norm_ptr
+            head_valid = heads < num_heads
+            rotated = normed_rotated_heads(base, heads, HEAD_DIM, head_valid, dims, dim_valid, norm_ptr, cos_ptr,
+                                           sin_ptr, pos, eps, HEAD_DIM, HALF_ROT, HAS_NORM)
+            # In place: every thread's loads (a dim's rotation partner may be another warp's) land
+            # before any thread stores.
+            tl.debug_barrier()
+            tl.store(base + heads[:, None] * HEAD_DIM + dims[None, :], rotated,
+                     mask=head_valid[:, None] & dim_valid[None, :])
+        if STORE_KV:
+            tl.debug_barrier()  # the store reads the rotated k just written
+            store_token_kv(
+                key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
+                stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                stride_scale_block, stride_scale_slot, stride_scale_head,
+                NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -240,12 +230,11 @@ def norm_rope(
         store_args = (q,) * 7 + (0,) * STORE_KV_STRIDES
         store_constants = dict(NUM_KV_HEADS=1, KV_HEADS_PADDED=1, HEAD_DIM=head_dim, HEAD_DIM_PADDED=1, BLOCK_SIZE=1,
                                FP8=False, FP8_MAX=1.0, MIN_SCALE=1.0)
-    _norm_rope_kernel[(num_tokens, 2)](
+    _norm_rope_kernel[(num_tokens,)](
         q, k, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,
         cos_cache, sin_cache, positions, q.stride(0), k.stride(0), eps, *store_args,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF_ROT=half_rot,
-        Q_HEADS_PADDED=triton.next_power_of_2(num_q_heads), K_HEADS_PADDED=triton.next_power_of_2(k.shape[1]),
-        DIM_PADDED=triton.next_power_of_2(head_dim),
+        HEADS_PADDED=triton.next_power_of_2(num_q_heads), DIM_PADDED=triton.next_power_of_2(head_dim),
         HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
         **store_constants, num_warps=4, **pdl.launch_options(q.device),
     )
