@@ -65,18 +65,18 @@ def tiny_model(request: pytest.FixtureRequest, tiny_model_factory: Callable[...,
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one test process more than the cores, at most 4. Most of the suite's time is
-    end-to-end tests that start engines (2-7 processes each, whose start is mostly importing torch)
-    and then partly wait on them, so a third process keeps two cores busy: on a 2-core box (CI's size) the
-    suite took 777 s serially, 561 s with 2 processes and 492 s with 3."""
+    end-to-end tests that start engines and servers (2-7 processes; importing torch is most of a
+    start) and then partly wait on them, so a third process keeps two cores busy. On a 2-core box
+    (CI's size) the suite took 777 s in one process, 561 s in 2 and 492 s in 3."""
     return max(1, min((os.cpu_count() or 1) + 1, 4))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under `-n`, each test process (and the engines it starts, through OMP_NUM_THREADS) gets its
-    share of the cores: two processes each running a thread per core spin against each other
-    (an HF reference generation took 27 s in place of 6)."""
+    share of the cores, unless OMP_NUM_THREADS is set already: two processes each running a thread
+    per core spin against each other (an HF reference generation took 27 s in place of 6)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1:
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         import torch
