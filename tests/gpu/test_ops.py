@@ -65,13 +65,24 @@ def test_silu_and_mul(dtype) -> None:
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_norm_rope_stores_kv(fp8, with_norm) -> None:
+@pytest.mark.parametrize("kv_heads,tokens,slots_kind", [
+    (8, 21, "scattered"), (8, 21, "prompt"), (8, 3, "prompt"), (2, 21, "prompt"), (12, 13, "scattered"),
+    (8, 300, "prompt"),
+])
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-token", "grouped"])
+def test_norm_rope_stores_kv(fp8, with_norm, kv_heads, tokens, slots_kind, grouped, monkeypatch) -> None:
     """With kv_store the RoPE kernel writes each token's rotated k and its v into the cache exactly
-    as the attention backend's own store would, skipping padding slots (-1)."""
+    as the attention backend's own store would, skipping padding slots (-1). An FP8 cache's values
+    are stored token by token or (`grouped`, which large steps take) by groups of 8 tokens
+    (ops.FP8_VALUE_GROUP), each head by one of the group's programs: slots scattered or consecutive
+    (a prompt's, from mid-block), a last group of fewer programs than heads, fewer heads than a
+    group and more."""
+    monkeypatch.setattr(ops, "FP8_VALUE_GROUP_MIN_TOKENS", 0 if grouped else 1 << 30)
     from minivllm.worker.attention.kv_cache import KVCacheLayout
     from minivllm.worker.attention.triton_attention import store_kv
 
-    heads, kv_heads, head_dim, tokens, block_size, num_blocks = 16, 8, 128, 21, 16, 8
+    heads, head_dim, block_size = 16, 128, 16
+    num_blocks = tokens // block_size + 8
     dtype = torch.bfloat16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -80,8 +91,12 @@ def test_norm_rope_stores_kv(fp8, with_norm) -> None:
     cos, sin = freqs.cos(), freqs.sin()
     positions = torch.randint(0, 256, (tokens,), device="cuda")
     norms = (torch.randn(head_dim, device="cuda", dtype=dtype), torch.randn(head_dim, device="cuda", dtype=dtype))
-    slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
-    slots[::5] = -1
+    if slots_kind == "scattered":
+        slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
+        slots[::5] = -1
+    else:  # a prompt's chunk starting mid-block, its padding rows (-1) at the end
+        slots = torch.arange(tokens, device="cuda") + 5
+        slots[-2:] = -1
     layout = KVCacheLayout(block_size, kv_heads, head_dim, dtype, fp8=fp8)
     cache = layout.allocate(num_blocks, torch.device("cuda"))
     cache.copy_(torch.randint_like(cache, 0, 100))  # whatever was there must stay where nothing is written

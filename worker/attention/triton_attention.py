@@ -77,11 +77,14 @@ def store_token_kv(
     stride_scale_block, stride_scale_slot, stride_scale_head,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    STORE_VALUES: tl.constexpr,
 ):
     """Write one token's keys and values (every KV head) to its slot (slot -1: a padding row, none);
     for an FP8 cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX, NaN stored as 0 and
     infinities clamped (kv_cache.py: the kernels may read unwritten slots). The body of
-    _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py)."""
+    _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py), which
+    stores an FP8 cache's values by groups of tokens instead (STORE_VALUES False:
+    store_value_group)."""
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, KV_HEADS_PADDED)
     dims = tl.arange(0, HEAD_DIM_PADDED)
@@ -89,10 +92,15 @@ def store_token_kv(
     dim_valid = dims < HEAD_DIM
     mask = head_valid[:, None] & dim_valid[None, :]
     k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
+    if STORE_VALUES:
+        v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
+                    mask=mask)
+    else:
+        v = k  # unused
     write_kv_heads(k, v, heads, head_valid, dims, dim_valid, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
-                   stride_scale_block, stride_scale_slot, stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
+                   stride_scale_block, stride_scale_slot, stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE,
+                   STORE_VALUES)
 
 
 @triton.jit
@@ -101,10 +109,11 @@ def write_kv_heads(
     stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    STORE_VALUES: tl.constexpr,
 ):
     """Write one token's tiles k, v [len(heads), len(dims)] (head_valid, dim_valid: which rows and
     columns are real) to cache slot `slot` (-1: a padding row, nothing); for an FP8 cache each
-    head's vector as e4m3 plus its scale."""
+    head's vector as e4m3 plus its scale. STORE_VALUES False: the keys only."""
     # A padding row writes nothing (a mask rather than an early return: this body is inlined
     # into other kernels).
     slot_valid = slot >= 0
@@ -115,18 +124,64 @@ def write_kv_heads(
     v_offs = block * stride_cache_block + offset * stride_v_slot + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim
     if FP8:
         scale_offs = block * stride_scale_block + offset * stride_scale_slot + heads * stride_scale_head
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        k = tl.minimum(tl.maximum(tl.where(k == k, k, 0.0), -3.4028234663852886e38), 3.4028234663852886e38)
-        v = tl.minimum(tl.maximum(tl.where(v == v, v, 0.0), -3.4028234663852886e38), 3.4028234663852886e38)
-        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1) / FP8_MAX, MIN_SCALE)
-        v_scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX, MIN_SCALE)
+        k, k_scale = quantize_rows(k, FP8_MAX, MIN_SCALE)
         tl.store(k_scale_ptr + scale_offs, k_scale, mask=head_valid & slot_valid)
-        tl.store(v_scale_ptr + scale_offs, v_scale, mask=head_valid & slot_valid)
-        k = k / k_scale[:, None]
-        v = v / v_scale[:, None]
+        if STORE_VALUES:
+            v, v_scale = quantize_rows(v, FP8_MAX, MIN_SCALE)
+            tl.store(v_scale_ptr + scale_offs, v_scale, mask=head_valid & slot_valid)
     tl.store(k_cache_ptr + k_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
-    tl.store(v_cache_ptr + v_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
+    if STORE_VALUES:
+        tl.store(v_cache_ptr + v_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
+
+
+@triton.jit
+def quantize_rows(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """x [rows, dims] -> (x / scale in float32, ready to cast to e4m3; scale [rows] = amax / FP8_MAX),
+    NaN taken as 0 and infinities clamped to float32's range first."""
+    x = x.to(tl.float32)
+    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38), 3.4028234663852886e38)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, MIN_SCALE)
+    return x / scale[:, None], scale
+
+
+@triton.jit
+def store_value_group(
+    value_ptr, v_cache_ptr, v_scale_ptr, slot_mapping_ptr, program, num_tokens,
+    stride_value_token, stride_value_head, stride_cache_block, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Program `program`'s share of writing this step's values into an FP8 cache, for kernels with
+    one program per token (num_tokens of them): the tokens of its group of GROUP (program // GROUP),
+    each KV head by one of the group's programs. An FP8 cache stores values transposed (kv_cache.py):
+    a token's values are head_dim bytes, block_size bytes apart, so a program storing one token
+    sent every byte as a memory transaction of its own. Here the lanes of a warp run along the
+    group's tokens, whose slots in a prompt are consecutive, and a row's bytes for the group go out
+    together. Slot -1 (a padding row) writes nothing."""
+    group_start = (program // GROUP) * GROUP
+    # The last group may have fewer programs than GROUP: its programs share its heads out between them.
+    group_programs = tl.minimum(num_tokens - group_start, GROUP)
+    tokens = group_start + tl.arange(0, GROUP)
+    token_valid = tokens < num_tokens
+    slots = tl.load(slot_mapping_ptr + tokens, mask=token_valid, other=-1).to(tl.int64)
+    slot_valid = slots >= 0
+    block = slots // BLOCK_SIZE
+    offset = slots % BLOCK_SIZE
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+    for head in range(program - group_start, NUM_KV_HEADS, group_programs):
+        v = tl.load(value_ptr + tokens[:, None].to(tl.int64) * stride_value_token + head * stride_value_head
+                    + dims[None, :], mask=token_valid[:, None] & dim_valid[None, :], other=0.0)
+        v, v_scale = quantize_rows(v, FP8_MAX, MIN_SCALE)
+        tl.store(v_scale_ptr + block * stride_scale_block + offset * stride_scale_slot + head * stride_scale_head,
+                 v_scale, mask=slot_valid)
+        # [dims, tokens]: the store's lanes run along the tokens (offsets computed from loaded
+        # slots tell the compiler nothing about contiguity, so it keeps the last axis fastest).
+        v_offs = (block * stride_cache_block + offset * stride_v_slot + head * stride_v_head)[None, :] \
+            + dims[:, None] * stride_v_dim
+        tl.store(v_cache_ptr + v_offs, tl.trans(v).to(v_cache_ptr.dtype.element_ty),
+                 mask=dim_valid[:, None] & slot_valid[None, :])
 
 
 @triton.jit
@@ -176,7 +231,7 @@ def _store_kv_kernel(
         tl.program_id(0).to(tl.int64), stride_key_token, stride_key_head, stride_value_token, stride_value_head,
         stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
         stride_scale_block, stride_scale_slot, stride_scale_head,
-        NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
+        NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE, True)
 
 
 @triton.jit
@@ -693,7 +748,7 @@ def _paged_decode_kernel(
                            tl.load(slot_mapping_ptr + row).to(tl.int64), k_cache_ptr, v_cache_ptr,
                            k_scale_ptr, v_scale_ptr, stride_cache_block, stride_k_slot, stride_k_head,
                            stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block, stride_scale_slot,
-                           stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
+                           stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE, True)
         tl.debug_barrier()  # the keys read below include the one just written
     else:
         q = tl.load(query_ptr + row.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head
