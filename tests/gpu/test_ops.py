@@ -103,8 +103,13 @@ def test_norm_rope_stores_kv(fp8, with_norm, kv_heads, tokens, slots_kind, group
     expected_cache = cache.clone()
     norm_args = norms if with_norm else (None, None)
     q_ref, k_ref = ops.norm_rope(q.clone(), k.clone(), positions, cos, sin, *norm_args, eps=1e-6)
-    store_kv(k_ref, v, expected_cache, slots, layout)
     q_out, k_out = ops.norm_rope(q, k, positions, cos, sin, *norm_args, eps=1e-6,
                                  kv_store=(v, cache, slots, layout))
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    # The kernel with the store and the one without are compiled apart, and their rotations may
+    # round an element one bfloat16 step apart (with 12 KV heads and an FP8 cache, one element of
+    # one seed in 30 on an H100, before the grouped store as after it). The store must write the
+    # rotated k it returns, exactly.
+    torch.testing.assert_close(q_out, q_ref, rtol=2 ** -7, atol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, rtol=2 ** -7, atol=1e-5)
+    store_kv(k_out, v, expected_cache, slots, layout)
     assert torch.equal(cache, expected_cache)
