@@ -63,13 +63,13 @@ def test_silu_and_mul(dtype) -> None:
     assert rel_error(ops.silu_and_mul(x), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("fp8,grouped", [(False, False), (True, False), (True, True)],
+                         ids=["bf16-cache", "fp8-per-token", "fp8-grouped"])  # (a bf16 cache: per token always)
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("kv_heads,tokens,slots_kind", [
     (8, 21, "scattered"), (8, 21, "prompt"), (8, 3, "prompt"), (2, 21, "prompt"), (12, 13, "scattered"),
     (8, 300, "prompt"),
 ])
-@pytest.mark.parametrize("grouped", [False, True], ids=["per-token", "grouped"])
 def test_norm_rope_stores_kv(fp8, with_norm, kv_heads, tokens, slots_kind, grouped, monkeypatch) -> None:
     """With kv_store the RoPE kernel writes each token's rotated k and its v into the cache exactly
     as the attention backend's own store would, skipping padding slots (-1). An FP8 cache's values

@@ -156,7 +156,7 @@ def store_value_group(
     one program per token (num_tokens of them): the tokens of its group of GROUP (program // GROUP),
     each KV head by one of the group's programs. An FP8 cache stores values transposed (kv_cache.py):
     a token's values are head_dim bytes, block_size bytes apart, so a program storing one token
-    sent every byte as a memory transaction of its own. Here the lanes of a warp run along the
+    sent each byte to a row of its own. Here the lanes of a warp run along the
     group's tokens, whose slots in a prompt are consecutive, and a row's bytes for the group go out
     together. Slot -1 (a padding row) writes nothing."""
     group_start = (program // GROUP) * GROUP
@@ -176,8 +176,9 @@ def store_value_group(
         v, v_scale = quantize_rows(v, FP8_MAX, MIN_SCALE)
         tl.store(v_scale_ptr + block * stride_scale_block + offset * stride_scale_slot + head * stride_scale_head,
                  v_scale, mask=slot_valid)
-        # [dims, tokens]: the store's lanes run along the tokens (offsets computed from loaded
-        # slots tell the compiler nothing about contiguity, so it keeps the last axis fastest).
+        # [dims, tokens], the tokens last: offsets computed from loaded slots show the compiler no
+        # contiguous axis, and it lays the lanes along the last one (a prompt step's call ran 25%
+        # faster so; benchmarks/results/2026-11-27-fp8-value-groups/).
         v_offs = (block * stride_cache_block + offset * stride_v_slot + head * stride_v_head)[None, :] \
             + dims[:, None] * stride_v_dim
         tl.store(v_cache_ptr + v_offs, tl.trans(v).to(v_cache_ptr.dtype.element_ty),
