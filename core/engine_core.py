@@ -23,6 +23,7 @@ import os
 import queue
 import signal
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -32,7 +33,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from minivllm.core.executor import WorkerDiedError, make_executor
+from minivllm.core.executor import PrestartedWorker, WorkerDiedError, make_executor
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.auth import (
     HANDSHAKE_FAILED_EVENTS,
@@ -175,7 +176,7 @@ def runs_prompts(scheduler_output: SchedulerOutput) -> bool:
 class EngineCore:
     """Scheduler + executor, one step at a time. No sockets: EngineCoreProc adds those."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, prestarted: "PrestartedWorker | None" = None) -> None:
         self.config = config
         # Async scheduling keeps steps in flight (sent to the workers, tokens not back yet). How
         # many (checked before the workers start): two ahead of the oldest. With one ahead, step
@@ -194,7 +195,8 @@ class EngineCore:
         pp_size = config.pipeline_parallel_size
         self.max_concurrent_batches = pp_size if pp_size > 1 else steps_in_flight
         self.steps_in_flight: deque[SchedulerOutput] = deque()  # oldest first
-        self.executor = make_executor(config)  # mp or ray, as config.distributed_executor_backend says
+        # mp or ray, as config.distributed_executor_backend says (prestarted: main's --config-stdin)
+        self.executor = make_executor(config, prestarted)
         try:
             if config.num_gpu_blocks is not None:
                 num_gpu_blocks = config.num_gpu_blocks
@@ -351,10 +353,10 @@ class EngineCoreProc(EngineCore):
     """
 
     def __init__(self, config: EngineConfig, address: str, engine_key: str | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, prestarted: "PrestartedWorker | None" = None) -> None:
         check_bind_allowed(address, engine_key, insecure)  # before the model loads
         self.curve_keys = CurveKeys(engine_key) if engine_key is not None else None
-        super().__init__(config)
+        super().__init__(config, prestarted)
         # Block bookkeeping waits until a step is submitted and its outputs are sent (run_busy_loop).
         self.scheduler.defer_block_updates = True
         self.address = address
@@ -775,9 +777,10 @@ def _salvage_request_id(raw: Any) -> str | None:
     return None
 
 
-def run_engine_core(config: EngineConfig, address: str, engine_key: str | None = None, insecure: bool = False) -> None:
+def run_engine_core(config: EngineConfig, address: str, engine_key: str | None = None, insecure: bool = False,
+                    prestarted: PrestartedWorker | None = None) -> None:
     """Start an EngineCore at `address` and serve until Shutdown, SIGTERM or SIGINT."""
-    engine = EngineCoreProc(config, address, engine_key=engine_key, insecure=insecure)
+    engine = EngineCoreProc(config, address, engine_key=engine_key, insecure=insecure, prestarted=prestarted)
 
     def stop(signum: int, _frame: Any) -> None:
         logger.info("received signal %d, shutting down", signum)
@@ -790,14 +793,28 @@ def run_engine_core(config: EngineConfig, address: str, engine_key: str | None =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="minivllm EngineCore process (started by a frontend)")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    config_source = parser.add_mutually_exclusive_group(required=True)
+    config_source.add_argument("--config", help="EngineConfig as JSON")
+    config_source.add_argument(
+        "--config-stdin", action="store_true",
+        help="read the EngineConfig (JSON) from stdin, and start worker rank 0 while it comes (the frontend "
+             "starts this process before it resolves the config; an empty stdin: exit)")
     parser.add_argument("--address", required=True, help="ZMQ address to serve frontends at")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
                         format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s")
-    config = msgspec.json.decode(args.config, type=EngineConfig)
+    prestarted = None
+    if args.config is not None:
+        config = msgspec.json.decode(args.config, type=EngineConfig)
+    else:
+        prestarted = PrestartedWorker()
+        data = sys.stdin.buffer.read()
+        if not data:  # the frontend gave up (its config failed)
+            prestarted.stop()
+            return
+        config = msgspec.json.decode(data, type=EngineConfig)
     try:
-        run_engine_core(config, args.address)
+        run_engine_core(config, args.address, prestarted=prestarted)
     except WorkerDiedError:
         raise SystemExit(1)
 

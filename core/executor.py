@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 import socket
 import subprocess
@@ -41,7 +42,8 @@ from minivllm.protocol.auth import CurveKeys, start_client_key_authenticator
 from minivllm.protocol.channels import Channel, ChannelClosed, StreamChannel, ZmqChannel, fd_address
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
-from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
+from minivllm.protocol.messages import (DeferredStart, ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall,
+                                        WorkerReply)
 from minivllm.protocol.serial import encode, worker_output_decoder
 
 if TYPE_CHECKING:
@@ -60,8 +62,13 @@ class WorkerHungError(WorkerDiedError):
     """The step watchdog fired: the workers did not answer a step in time."""
 
 
-def make_executor(config: EngineConfig) -> "ChannelExecutor | UniProcExecutor":
-    """The executor config.distributed_executor_backend names."""
+def make_executor(config: EngineConfig, prestarted: "PrestartedWorker | None" = None
+                  ) -> "ChannelExecutor | UniProcExecutor":
+    """The executor config.distributed_executor_backend names. prestarted: a worker started before
+    the config existed, for MpExecutor's rank 0 (any other executor stops it)."""
+    if prestarted is not None and config.distributed_executor_backend != "mp":
+        prestarted.stop()
+        prestarted = None
     if config.distributed_executor_backend == "ray":
         from minivllm.core.ray_executor import RayExecutor  # imports ray: only when asked for
 
@@ -70,7 +77,7 @@ def make_executor(config: EngineConfig) -> "ChannelExecutor | UniProcExecutor":
         from minivllm.core.uniproc_executor import UniProcExecutor  # imports torch: only when asked for
 
         return UniProcExecutor(config)
-    return MpExecutor(config)
+    return MpExecutor(config, prestarted)
 
 
 class ChannelExecutor:
@@ -129,11 +136,14 @@ class ChannelExecutor:
         self.result_address, self.work_addresses = addresses[0], addresses[1:]
         self._use_channels([ZmqChannel(sock) for sock in sockets[1:]], [ZmqChannel(sockets[0])])
 
-    def open_socket_pairs(self) -> list[socket.socket]:
+    def open_socket_pairs(self, first: socket.socket | None = None) -> list[socket.socket]:
         """A Unix socket pair per rank, for workers on this host: returns the workers' ends, one
         per rank, for the subclass to hand down (as file descriptors, under fd_address()) and
-        then close here, so that a worker's exit shows as the end of its channel."""
-        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(self.world_size)]
+        then close here, so that a worker's exit shows as the end of its channel. first: our end
+        of rank 0's pair, made already (a prestarted worker's); its place in the list is None."""
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(self.world_size - (first is not None))]
+        if first is not None:
+            pairs.insert(0, (first, None))
         channels = [StreamChannel(ours) for ours, _ in pairs]
         self._use_channels(channels, channels)
         return [theirs for _, theirs in pairs]
@@ -307,15 +317,57 @@ class ChannelExecutor:
             time.sleep(0.05)
 
 
-class MpExecutor(ChannelExecutor):
-    """The workers are child processes of the EngineCore, on this host."""
+class PrestartedWorker:
+    """Worker rank 0, started before its engine has a config (`minivllm.core.engine_core
+    --config-stdin`, which the frontends start before they resolve theirs): it imports torch and the
+    model code meanwhile, ~2-3 s of a start that otherwise follow the frontend's own ~3-4 s of
+    importing transformers and reading the model's config. It then waits on a pipe for the config
+    (worker.read_deferred_start); MpExecutor takes it as rank 0, or it is stopped unused."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self) -> None:
+        self.ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        read_end, self.config_pipe = os.pipe()
+        address = fd_address(theirs.fileno())
+        try:
+            self.proc = spawn_child(
+                "minivllm.worker.worker",
+                ["--config-fd", str(read_end), "--rank", "0", "--work-address", address, "--result-address", address],
+                pass_fds=(theirs.fileno(), read_end),
+            )
+        finally:
+            theirs.close()
+            os.close(read_end)
+
+    def start(self, config: EngineConfig, dist_init_address: str | None) -> None:
+        try:
+            with os.fdopen(self.config_pipe, "wb") as pipe:
+                pipe.write(msgspec.json.encode(DeferredStart(config, dist_init_address)))
+        except BrokenPipeError:  # it died: the wait for its "ready" reports that
+            pass
+
+    def stop(self) -> None:
+        """Unused: nothing of it needs an orderly end (it may still be importing)."""
+        os.close(self.config_pipe)
+        self.ours.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+class MpExecutor(ChannelExecutor):
+    """The workers are child processes of the EngineCore, on this host. prestarted: rank 0, already
+    started (PrestartedWorker)."""
+
+    def __init__(self, config: EngineConfig, prestarted: PrestartedWorker | None = None) -> None:
         super().__init__(config)
         config_json = msgspec.json.encode(config).decode()
-        dist_args = ["--dist-init-address", free_loopback_tcp_address()] if self.world_size > 1 else []
+        dist_init_address = free_loopback_tcp_address() if self.world_size > 1 else None
+        dist_args = ["--dist-init-address", dist_init_address] if dist_init_address is not None else []
         self.procs: list[subprocess.Popen] = []
-        for rank, worker_end in enumerate(self.open_socket_pairs()):
+        for rank, worker_end in enumerate(self.open_socket_pairs(prestarted.ours if prestarted else None)):
+            if worker_end is None:  # rank 0, prestarted
+                prestarted.start(config, dist_init_address)
+                self.procs.append(prestarted.proc)
+                continue
             address = fd_address(worker_end.fileno())  # (the child inherits it under the same number)
             self.procs.append(spawn_child(
                 "minivllm.worker.worker",

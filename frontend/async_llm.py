@@ -18,7 +18,7 @@ import weakref
 from collections.abc import AsyncGenerator, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from minivllm.frontend.core_client import AsyncEngineCoreClient, EngineDeadError, request_error
+from minivllm.frontend.core_client import AsyncEngineCoreClient, EngineDeadError, config_beside_engine, request_error
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.model_download import resolve_model
 from minivllm.frontend.output_processor import RequestState, fan_out, gather_stream_output
@@ -57,7 +57,9 @@ class AsyncLLM:
             self.client = AsyncEngineCoreClient.attach(engine_address, engine_key=engine_key)
         else:
             # The engine processes only see HF directories: fetch / convert here, in the frontend.
-            self.client = AsyncEngineCoreClient.spawn(EngineConfig.create(resolve_model(model), **engine_kwargs))
+            config, pending = config_beside_engine(
+                lambda: EngineConfig.create(resolve_model(model), **engine_kwargs), engine_kwargs)
+            self.client = AsyncEngineCoreClient.spawn(config, pending)
         # Stop the engine when this object is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.engine_info = self.client.engine_info

@@ -30,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -100,6 +102,60 @@ def spawn_engine_process(config: EngineConfig, name: str = "engine",
     proc = spawn_child("minivllm.core.engine_core", ["--config", msgspec.json.encode(config).decode(),
                                                      "--address", address], env=env)
     return address, proc
+
+
+# $MINIVLLM_PRESTART_ENGINE=0: start the engine only once its config is resolved (for measuring).
+PRESTART_ENGINE = os.environ.get("MINIVLLM_PRESTART_ENGINE", "1") != "0"
+
+
+class PendingEngine:
+    """An EngineCore process started before its config exists (engine_core's --config-stdin). It
+    starts its worker rank 0 at once, which imports torch and the model code (~2-3 s) while this
+    process imports transformers and resolves the config (~3-4 s: transformers imports torch too),
+    instead of after. start() hands it the config; cancel() stops both."""
+
+    def __init__(self, name: str = "engine") -> None:
+        self.address = new_ipc_address(name)
+        self.proc = spawn_child("minivllm.core.engine_core", ["--config-stdin", "--address", self.address],
+                                stdin=subprocess.PIPE)
+
+    def start(self, config: EngineConfig) -> tuple[str, subprocess.Popen]:
+        """Send the config; returns (address, process), as spawn_engine_process does."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(msgspec.json.encode(config))
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died already: wait_ready says so
+            pass
+        return self.address, self.proc
+
+    def cancel(self) -> None:
+        """An empty config: it stops its worker and exits."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        stop_child(self.proc)
+        remove_ipc_file(self.address)
+
+
+def config_beside_engine(make_config: Callable[[], EngineConfig], engine_args: dict[str, Any]
+                         ) -> tuple[EngineConfig, PendingEngine | None]:
+    """make_config() (EngineConfig.create: transformers' import and the model's config) while an
+    EngineCore and its first worker start beside it (PendingEngine), where one engine of local
+    workers is asked for (no data parallelism, the "mp" backend). Returns the config and that
+    engine, for EngineCoreClient.spawn; a config that fails stops the engine and raises."""
+    backend = engine_args.get("distributed_executor_backend") or "mp"
+    pending = None
+    if PRESTART_ENGINE and backend == "mp" and (engine_args.get("data_parallel_size") or 1) == 1:
+        pending = PendingEngine()
+    try:
+        return make_config(), pending
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
 
 
 class EngineCoreClientBase:
@@ -206,14 +262,17 @@ class EngineCoreClient(EngineCoreClientBase):
     # -- starting -------------------------------------------------------------------------------
 
     @classmethod
-    def spawn(cls, config: EngineConfig) -> "EngineCoreClient":
+    def spawn(cls, config: EngineConfig, pending: PendingEngine | None = None) -> "EngineCoreClient":
         """Start an EngineCore process for `config` and wait until it serves. With
-        data_parallel_size > 1: that many, behind one DPEngineCoreClient (frontend/dp_client.py)."""
+        data_parallel_size > 1: that many, behind one DPEngineCoreClient (frontend/dp_client.py).
+        pending: an engine started already (config_beside_engine), which takes the config."""
         if config.data_parallel_size > 1:
             from minivllm.frontend.dp_client import DPEngineCoreClient
 
+            if pending is not None:
+                pending.cancel()
             return DPEngineCoreClient.spawn(config)  # type: ignore[return-value]
-        address, proc = spawn_engine_process(config)
+        address, proc = pending.start(config) if pending is not None else spawn_engine_process(config)
         client = cls(address, proc)
         client.wait_ready()
         return client
@@ -429,12 +488,14 @@ class AsyncEngineCoreClient(EngineCoreClientBase):
         self.utility_futures: dict[int, asyncio.Future[UtilityResult]] = {}
 
     @classmethod
-    def spawn(cls, config: EngineConfig) -> "AsyncEngineCoreClient":
+    def spawn(cls, config: EngineConfig, pending: PendingEngine | None = None) -> "AsyncEngineCoreClient":
         if config.data_parallel_size > 1:
             from minivllm.frontend.dp_client import DPAsyncEngineCoreClient
 
+            if pending is not None:
+                pending.cancel()
             return DPAsyncEngineCoreClient.spawn(config)  # type: ignore[return-value]
-        return cls(EngineCoreClient.spawn(config))
+        return cls(EngineCoreClient.spawn(config, pending))
 
     @classmethod
     def attach(cls, address: str, timeout: float = 60.0, engine_key: str | None = None) -> "AsyncEngineCoreClient":

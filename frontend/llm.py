@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from minivllm.frontend.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from minivllm.frontend.chat import Conversation, as_conversations, render_chat_prompt
-from minivllm.frontend.core_client import EngineCoreClient, request_error
+from minivllm.frontend.core_client import EngineCoreClient, config_beside_engine, request_error
 from minivllm.frontend.input_processor import InputProcessor, PromptType
 from minivllm.frontend.model_download import resolve_model
 from minivllm.frontend.output_processor import OutputProcessor, fan_out
@@ -81,8 +81,10 @@ class LLM:
             self.client = EngineCoreClient.attach(engine_address, engine_key=engine_key)
         else:
             # The engine processes only see HF directories: fetch / convert here, in the frontend.
-            config = EngineConfig.create(resolve_model(model), **{"usage_context": "LLM_CLASS", **engine_args})
-            self.client = EngineCoreClient.spawn(config)
+            config, pending = config_beside_engine(
+                lambda: EngineConfig.create(resolve_model(model), **{"usage_context": "LLM_CLASS", **engine_args}),
+                engine_args)
+            self.client = EngineCoreClient.spawn(config, pending)
         # Stop the engine when this object is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.engine_info = self.client.engine_info

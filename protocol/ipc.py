@@ -87,14 +87,15 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def spawn_child(module: str, args: list[str], env: dict[str, str] | None = None,
-                pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+                pass_fds: tuple[int, ...] = (), stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
     """Run `python -m module *args` (module: `minivllm.<...>`) as a child that dies with this process.
-    pass_fds: file descriptors it inherits, under the same numbers (no other one is)."""
+    pass_fds: file descriptors it inherits, under the same numbers (no other one is); stdin:
+    subprocess.PIPE to write to it (Popen.stdin), else nothing."""
     return subprocess.Popen(
         [sys.executable, "-c", _CHILD_MAIN, PACKAGE_DIR, module, *args],
         env=dict(os.environ if env is None else env),
         preexec_fn=die_with_parent,
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         pass_fds=pass_fds,
     )
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from minivllm.protocol.config import DEFAULT_MAX_PENDING_REQUESTS
+from minivllm.protocol.config import DEFAULT_MAX_PENDING_REQUESTS, EngineConfig
 from minivllm.protocol.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -297,6 +297,14 @@ class WorkerCall(msgspec.Struct, tag="call"):
 
 
 EngineToWorker = SchedulerOutput | WorkerCall | Shutdown
+
+
+class DeferredStart(msgspec.Struct, frozen=True):
+    """A worker started before its engine had a config (core/executor.py's PrestartedWorker) reads
+    this from its pipe (JSON) once the engine has one."""
+
+    config: EngineConfig
+    dist_init_address: str | None = None  # torch.distributed's rendezvous, with more than one rank
 
 # ---------------------------------------------------------------- workers -> EngineCore
 

@@ -24,7 +24,8 @@ import zmq
 from minivllm.protocol.channels import ChannelClosed, open_worker_channels
 from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import exit_without_teardown
-from minivllm.protocol.messages import ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall, WorkerReply
+from minivllm.protocol.messages import (DeferredStart, ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall,
+                                        WorkerReply)
 from minivllm.protocol.serial import encode, worker_input_decoder
 
 logger = logging.getLogger(__name__)
@@ -172,9 +173,23 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
         ctx.destroy(linger=1000)
 
 
+def read_deferred_start(fd: int) -> DeferredStart | None:
+    """Import the model code (torch with it: the ~2-3 s a worker's start spends importing), then
+    wait for the start message on pipe `fd`; None if the pipe closes empty (the engine is not
+    going to use this worker)."""
+    from minivllm.worker import model_runner  # noqa: F401  (imported for its import time)
+
+    with os.fdopen(fd, "rb") as pipe:
+        data = pipe.read()
+    return msgspec.json.decode(data, type=DeferredStart) if data else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="minivllm worker process (started by the EngineCore)")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    config_source = parser.add_mutually_exclusive_group(required=True)
+    config_source.add_argument("--config", help="EngineConfig as JSON")
+    config_source.add_argument("--config-fd", type=int,
+                               help="a pipe to read the config (a DeferredStart) from, once the engine has it")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--work-address", required=True)
     parser.add_argument("--result-address", required=True)
@@ -182,8 +197,14 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [worker{args.rank}] %(name)s: %(message)s")
-    config = msgspec.json.decode(args.config, type=EngineConfig)
-    code = run_worker(config, args.rank, args.work_address, args.result_address, args.dist_init_address)
+    if args.config is not None:
+        config, dist_init_address = msgspec.json.decode(args.config, type=EngineConfig), args.dist_init_address
+    else:
+        start = read_deferred_start(args.config_fd)
+        if start is None:
+            exit_without_teardown(0)
+        config, dist_init_address = start.config, start.dist_init_address
+    code = run_worker(config, args.rank, args.work_address, args.result_address, dist_init_address)
     # The sockets (and any process group) are closed; every engine shutdown waits for this exit.
     exit_without_teardown(code)
 
