@@ -141,7 +141,8 @@ class ChannelExecutor:
         per rank, for the subclass to hand down (as file descriptors, under fd_address()) and
         then close here, so that a worker's exit shows as the end of its channel. first: our end
         of rank 0's pair, made already (a prestarted worker's); its place in the list is None."""
-        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(self.world_size - (first is not None))]
+        num_new = self.world_size - (first is not None)
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(num_new)]
         if first is not None:
             pairs.insert(0, (first, None))
         channels = [StreamChannel(ours) for ours, _ in pairs]

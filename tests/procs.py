@@ -1,5 +1,5 @@
-"""Process helpers for tests: is a pid alive (zombies count as gone), wait for it to go, kill one
-in the middle of a long generate."""
+"""Process helpers for tests: is a pid alive (zombies count as gone), wait for it to go, a
+process's children, kill one in the middle of a long generate."""
 
 from __future__ import annotations
 
@@ -25,6 +25,24 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """pid's child processes: {pid: command line, arguments joined by spaces}."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if ppid == pid:
+            found[int(entry)] = cmdline
+    return found
 
 
 def kill_during_generate(llm, victim: int | Callable[[], object], match: str, *, num_requests: int = 32,

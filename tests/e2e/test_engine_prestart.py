@@ -13,33 +13,15 @@ from minivllm import LLM, SamplingParams
 from minivllm.core.executor import PrestartedWorker
 from minivllm.frontend import core_client
 from minivllm.frontend.core_client import PendingEngine
-from tests.procs import pid_alive, wait_gone
+from tests.procs import child_processes, pid_alive, wait_gone
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def children(pid: int) -> dict[int, str]:
-    """pid's child processes: {pid: command line}."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if ppid == pid:
-            found[int(entry)] = cmdline
-    return found
 
 
 def test_worker_rank_0_is_the_one_started_before_the_config(tiny_llama) -> None:
     with LLM(tiny_llama, max_model_len=128) as llm:
         worker_pid = llm.engine_info.worker_pids[0]
-        assert "--config-fd" in children(llm.engine_info.engine_pid)[worker_pid]
+        assert "--config-fd" in child_processes(llm.engine_info.engine_pid)[worker_pid]
         out = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
         pids = [llm.engine_info.engine_pid, worker_pid]
     assert wait_gone(pids, timeout=10) == []
@@ -48,15 +30,15 @@ def test_worker_rank_0_is_the_one_started_before_the_config(tiny_llama) -> None:
         mp.setattr(core_client, "PRESTART_ENGINE", False)
         with LLM(tiny_llama, max_model_len=128) as llm:
             worker_pid = llm.engine_info.worker_pids[0]
-            assert "--config-fd" not in children(llm.engine_info.engine_pid)[worker_pid]
+            assert "--config-fd" not in child_processes(llm.engine_info.engine_pid)[worker_pid]
             assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def test_a_config_that_fails_stops_the_engine_started_beside_it(tiny_llama) -> None:
-    before = set(children(os.getpid()))
+    before = set(child_processes(os.getpid()))
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(tiny_llama, max_model_len=10**9)
-    assert set(children(os.getpid())) - before == set()
+    assert set(child_processes(os.getpid())) - before == set()
 
 
 def test_a_pending_engine_cancelled_takes_its_worker_with_it() -> None:
@@ -64,7 +46,7 @@ def test_a_pending_engine_cancelled_takes_its_worker_with_it() -> None:
     engine_pid = pending.proc.pid
     # Its worker starts at once (it imports torch before it reads its config).
     for _ in range(200):
-        workers = [pid for pid, cmd in children(engine_pid).items() if "minivllm.worker.worker" in cmd]
+        workers = [pid for pid, cmd in child_processes(engine_pid).items() if "minivllm.worker.worker" in cmd]
         if workers:
             break
         time.sleep(0.05)
