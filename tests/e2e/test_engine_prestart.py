@@ -45,7 +45,7 @@ def test_a_pending_engine_cancelled_takes_its_worker_with_it() -> None:
     pending = PendingEngine()
     engine_pid = pending.proc.pid
     # Its worker starts at once (it imports torch before it reads its config).
-    for _ in range(200):
+    for _ in range(600):  # (up to 30 s: a loaded box starts interpreters slowly)
         workers = [pid for pid, cmd in child_processes(engine_pid).items() if "minivllm.worker.worker" in cmd]
         if workers:
             break
