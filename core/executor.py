@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import socket
 import subprocess
@@ -41,7 +40,8 @@ import zmq
 from minivllm.protocol.auth import CurveKeys, start_client_key_authenticator
 from minivllm.protocol.channels import Channel, ChannelClosed, StreamChannel, ZmqChannel, fd_address
 from minivllm.protocol.config import EngineConfig
-from minivllm.protocol.ipc import free_loopback_tcp_address, new_ipc_address, remove_ipc_file, spawn_child, stop_child
+from minivllm.protocol.ipc import (free_loopback_tcp_address, hand_over_stdin, new_ipc_address, remove_ipc_file,
+                                   spawn_child, stop_child)
 from minivllm.protocol.messages import (DeferredStart, ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall,
                                         WorkerReply)
 from minivllm.protocol.serial import encode, worker_output_decoder
@@ -322,33 +322,28 @@ class PrestartedWorker:
     """Worker rank 0, started before its engine has a config (`minivllm.core.engine_core
     --config-stdin`, which the frontends start before they resolve theirs): it imports torch and the
     model code meanwhile, ~2-3 s of a start that otherwise follow the frontend's own ~3-4 s of
-    importing transformers and reading the model's config. It then waits on a pipe for the config
-    (worker.read_deferred_start); MpExecutor takes it as rank 0, or it is stopped unused."""
+    importing transformers and reading the model's config. It then waits on its stdin for the
+    config (worker.read_deferred_start); MpExecutor takes it as rank 0, or it is stopped unused."""
 
     def __init__(self) -> None:
         self.ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        read_end, self.config_pipe = os.pipe()
         address = fd_address(theirs.fileno())
         try:
             self.proc = spawn_child(
                 "minivllm.worker.worker",
-                ["--config-fd", str(read_end), "--rank", "0", "--work-address", address, "--result-address", address],
-                pass_fds=(theirs.fileno(), read_end),
+                ["--config-stdin", "--rank", "0", "--work-address", address, "--result-address", address],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.PIPE,
             )
         finally:
             theirs.close()
-            os.close(read_end)
 
     def start(self, config: EngineConfig, dist_init_address: str | None) -> None:
-        try:
-            with os.fdopen(self.config_pipe, "wb") as pipe:
-                pipe.write(msgspec.json.encode(DeferredStart(config, dist_init_address)))
-        except BrokenPipeError:  # it died: the wait for its "ready" reports that
-            pass
+        # (if it died, the wait for its "ready" reports that)
+        hand_over_stdin(self.proc, msgspec.json.encode(DeferredStart(config, dist_init_address)))
 
     def stop(self) -> None:
         """Unused: nothing of it needs an orderly end (it may still be importing)."""
-        os.close(self.config_pipe)
+        hand_over_stdin(self.proc, b"")
         self.ours.close()
         self.proc.kill()
         self.proc.wait()

@@ -45,7 +45,7 @@ from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from minivllm.protocol.auth import ENGINE_KEY_ENV, HANDSHAKE_FAILED_EVENTS, HANDSHAKE_FAILURES, CurveKeys, resolve_engine_key
 from minivllm.protocol.config import EngineConfig
-from minivllm.protocol.ipc import new_ipc_address, remove_ipc_file, spawn_child, stop_child
+from minivllm.protocol.ipc import hand_over_stdin, new_ipc_address, remove_ipc_file, spawn_child, stop_child
 from minivllm.protocol.messages import (
     AbortRequests,
     AddRequests,
@@ -120,22 +120,14 @@ class PendingEngine:
                                 stdin=subprocess.PIPE)
 
     def start(self, config: EngineConfig) -> tuple[str, subprocess.Popen]:
-        """Send the config; returns (address, process), as spawn_engine_process does."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(msgspec.json.encode(config))
-            self.proc.stdin.close()
-        except BrokenPipeError:  # it died already: wait_ready says so
-            pass
+        """Send the config; returns (address, process), as spawn_engine_process does (if it died
+        already, wait_ready says so)."""
+        hand_over_stdin(self.proc, msgspec.json.encode(config))
         return self.address, self.proc
 
     def cancel(self) -> None:
         """An empty config: it stops its worker and exits."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
+        hand_over_stdin(self.proc, b"")
         stop_child(self.proc)
         remove_ipc_file(self.address)
 

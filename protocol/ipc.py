@@ -100,6 +100,22 @@ def spawn_child(module: str, args: list[str], env: dict[str, str] | None = None,
     )
 
 
+def hand_over_stdin(proc: subprocess.Popen, payload: bytes) -> None:
+    """Write `payload` to a child started with stdin=subprocess.PIPE and close its stdin (b"": only
+    close, which tells a child waiting on it for its config to exit). A child already gone is left
+    to whoever watches it to report."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(payload)
+    except BrokenPipeError:
+        pass
+    finally:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+
+
 def exit_without_teardown(code: int) -> None:
     """End this process now, once its logs and output are flushed: for a process that has closed
     what it opened. The interpreter's own teardown costs ~1-2 s with torch and transformers loaded

@@ -301,7 +301,7 @@ EngineToWorker = SchedulerOutput | WorkerCall | Shutdown
 
 class DeferredStart(msgspec.Struct, frozen=True):
     """A worker started before its engine had a config (core/executor.py's PrestartedWorker) reads
-    this from its pipe (JSON) once the engine has one."""
+    this from its stdin (JSON) once the engine has one."""
 
     config: EngineConfig
     dist_init_address: str | None = None  # torch.distributed's rendezvous, with more than one rank

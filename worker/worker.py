@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import statistics
+import sys
 import time
 import traceback
 from collections import deque
@@ -173,14 +174,13 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
         ctx.destroy(linger=1000)
 
 
-def read_deferred_start(fd: int) -> DeferredStart | None:
+def read_deferred_start() -> DeferredStart | None:
     """Import the model code (torch with it: the ~2-3 s a worker's start spends importing), then
-    wait for the start message on pipe `fd`; None if the pipe closes empty (the engine is not
-    going to use this worker)."""
+    wait for the start message on stdin; None if stdin closes empty (the engine is not going to
+    use this worker)."""
     from minivllm.worker import model_runner  # noqa: F401  (imported for its import time)
 
-    with os.fdopen(fd, "rb") as pipe:
-        data = pipe.read()
+    data = sys.stdin.buffer.read()
     return msgspec.json.decode(data, type=DeferredStart) if data else None
 
 
@@ -188,8 +188,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="minivllm worker process (started by the EngineCore)")
     config_source = parser.add_mutually_exclusive_group(required=True)
     config_source.add_argument("--config", help="EngineConfig as JSON")
-    config_source.add_argument("--config-fd", type=int,
-                               help="a pipe to read the config (a DeferredStart) from, once the engine has it")
+    config_source.add_argument("--config-stdin", action="store_true",
+                               help="read the config (a DeferredStart, JSON) from stdin, once the engine has it")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--work-address", required=True)
     parser.add_argument("--result-address", required=True)
@@ -200,7 +200,7 @@ def main() -> None:
     if args.config is not None:
         config, dist_init_address = msgspec.json.decode(args.config, type=EngineConfig), args.dist_init_address
     else:
-        start = read_deferred_start(args.config_fd)
+        start = read_deferred_start()
         if start is None:
             exit_without_teardown(0)
         config, dist_init_address = start.config, start.dist_init_address

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def test_worker_rank_0_is_the_one_started_before_the_config(tiny_llama) -> None:
     with LLM(tiny_llama, max_model_len=128) as llm:
         worker_pid = llm.engine_info.worker_pids[0]
-        assert "--config-fd" in child_processes(llm.engine_info.engine_pid)[worker_pid]
+        assert "--config-stdin" in child_processes(llm.engine_info.engine_pid)[worker_pid]
         out = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
         pids = [llm.engine_info.engine_pid, worker_pid]
     assert wait_gone(pids, timeout=10) == []
@@ -30,7 +30,7 @@ def test_worker_rank_0_is_the_one_started_before_the_config(tiny_llama) -> None:
         mp.setattr(core_client, "PRESTART_ENGINE", False)
         with LLM(tiny_llama, max_model_len=128) as llm:
             worker_pid = llm.engine_info.worker_pids[0]
-            assert "--config-fd" not in child_processes(llm.engine_info.engine_pid)[worker_pid]
+            assert "--config-stdin" not in child_processes(llm.engine_info.engine_pid)[worker_pid]
             assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
