@@ -7,7 +7,9 @@ arrives at its socket (which need not come from a frontend).
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Union
 
 import msgspec
@@ -21,6 +23,32 @@ from minivllm.protocol.validation import EngineLimits, validate_request
 PromptType = Union[str, dict[str, Any]]
 
 
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class TokenizerLoad:
+    """load_tokenizer(path) in a thread of its own, started beside the engine's start: the
+    tokenizer takes 0.3-0.5 s to load, which the engine's start (seconds: it loads the model)
+    hides. result() waits for it and raises what the load raised."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._future: Future = Future()
+        threading.Thread(target=self._load, name="tokenizer-load").start()
+
+    def _load(self) -> None:
+        try:
+            self._future.set_result(load_tokenizer(self.path))
+        except BaseException as error:  # (handed to result()'s caller)
+            self._future.set_exception(error)
+
+    def result(self) -> Any:
+        return self._future.result()
+
+
 class InputProcessor:
     def __init__(self, engine_info: EngineInfo, tokenizer: Any | None) -> None:
         self.info = engine_info
@@ -28,13 +56,16 @@ class InputProcessor:
         self.tokenizer = tokenizer
 
     @classmethod
-    def for_engine(cls, engine_info: EngineInfo, skip_tokenizer_init: bool) -> "InputProcessor":
-        """With the engine's tokenizer loaded through transformers (none if skip_tokenizer_init)."""
+    def for_engine(cls, engine_info: EngineInfo, skip_tokenizer_init: bool,
+                   loading: "TokenizerLoad | None" = None) -> "InputProcessor":
+        """With the engine's tokenizer loaded through transformers (none if skip_tokenizer_init);
+        `loading`: that tokenizer's load, started while the engine started."""
         tokenizer = None
         if not skip_tokenizer_init:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(engine_info.tokenizer)
+            if loading is not None and loading.path == engine_info.tokenizer:
+                tokenizer = loading.result()
+            else:
+                tokenizer = load_tokenizer(engine_info.tokenizer)
         return cls(engine_info, tokenizer)
 
     def process(

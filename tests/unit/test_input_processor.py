@@ -56,3 +56,25 @@ def test_prompt_token_ids_are_copied_as_ints_and_checked() -> None:
         processor.process("r", {"prompt_token_ids": [1, 512]}, SamplingParams())
     with pytest.raises(ValueError, match="prompt token -1 is outside"):
         processor.process("r", {"prompt_token_ids": [True, -1]}, SamplingParams())
+
+
+def test_a_tokenizer_loaded_beside_the_engine_is_the_one_used(tokenizer, tmp_path) -> None:
+    """LLM and AsyncLLM start the tokenizer's load (TokenizerLoad) before they wait for the engine;
+    for_engine takes that tokenizer when it is the engine's, loads the engine's otherwise, and
+    raises what a failed load raised."""
+    import msgspec
+
+    from minivllm.frontend.input_processor import TokenizerLoad
+
+    path = str(tmp_path / "tok")
+    tokenizer.save_pretrained(path)
+    info = msgspec.structs.replace(INFO, tokenizer=path)
+    loading = TokenizerLoad(path)
+    processor = InputProcessor.for_engine(info, False, loading)
+    assert processor.tokenizer is loading.result()
+    other = TokenizerLoad(str(tmp_path / "missing"))  # not the engine's: never waited for
+    processor = InputProcessor.for_engine(info, False, other)
+    assert processor.tokenizer is not None and processor.tokenizer.encode("Hello") == tokenizer.encode("Hello")
+    assert InputProcessor.for_engine(info, True, loading).tokenizer is None
+    with pytest.raises(OSError):
+        InputProcessor.for_engine(msgspec.structs.replace(INFO, tokenizer=other.path), False, other)
