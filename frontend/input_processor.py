@@ -30,9 +30,11 @@ def load_tokenizer(path: str) -> Any:
 
 
 class TokenizerLoad:
-    """load_tokenizer(path) in a thread of its own, started beside the engine's start: the
-    tokenizer takes 0.3-0.5 s to load, which the engine's start (seconds: it loads the model)
-    hides. result() waits for it and raises what the load raised."""
+    """load_tokenizer(path) in a thread of its own, started while the frontend waits for the engine
+    to start. The load (0.3-0.5 s on a 2-core box) then runs on a core the engine's start leaves
+    free, where there is one, instead of after it (benchmarks/RESULTS.md, 2026-11-27: the wait after
+    the engine serves went to none; end to end on 2 and 16 cores the gain was within the noise).
+    result() waits for it and raises what the load raised."""
 
     def __init__(self, path: str) -> None:
         self.path = path

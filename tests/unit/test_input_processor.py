@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from minivllm.frontend.input_processor import InputProcessor
+from minivllm.frontend.input_processor import InputProcessor, TokenizerLoad
 from minivllm.protocol.messages import EngineInfo
 from minivllm.protocol.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny_tokenizer
@@ -62,17 +63,13 @@ def test_a_tokenizer_loaded_beside_the_engine_is_the_one_used(tokenizer, tmp_pat
     """LLM and AsyncLLM start the tokenizer's load (TokenizerLoad) before they wait for the engine;
     for_engine takes that tokenizer when it is the engine's, loads the engine's otherwise, and
     raises what a failed load raised."""
-    import msgspec
-
-    from minivllm.frontend.input_processor import TokenizerLoad
-
     path = str(tmp_path / "tok")
     tokenizer.save_pretrained(path)
     info = msgspec.structs.replace(INFO, tokenizer=path)
     loading = TokenizerLoad(path)
     processor = InputProcessor.for_engine(info, False, loading)
     assert processor.tokenizer is loading.result()
-    other = TokenizerLoad(str(tmp_path / "missing"))  # not the engine's: never waited for
+    other = TokenizerLoad(str(tmp_path / "missing"))  # not the engine's: for_engine loads the engine's
     processor = InputProcessor.for_engine(info, False, other)
     assert processor.tokenizer is not None and processor.tokenizer.encode("Hello") == tokenizer.encode("Hello")
     assert InputProcessor.for_engine(info, True, loading).tokenizer is None
