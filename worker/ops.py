@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from minivllm.worker import pdl
+from minivllm.worker import hopper_gemm, pdl
 
 try:
     import triton
@@ -105,17 +105,21 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, residual_ptr, out_ptr, weight_ptr, stride_x, stride_r, stride_o, eps,
-                             N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                             N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
+        if PDL:  # (worker/pdl.py, hopper_gemm.starts_early) the projection after may load its weights
+            gdc_launch_dependents()
+        w = tl.load(weight_ptr + offs, mask=mask)
+        if PDL:
+            gdc_wait()
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
             tl.store(residual_ptr + row * stride_r + offs, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        w = tl.load(weight_ptr + offs, mask=mask)
         tl.store(out_ptr + row * stride_o + offs, (xf * rstd).to(x.dtype) * w, mask=mask)
 
     @triton.jit(do_not_specialize=["num_tokens"])
@@ -176,10 +180,14 @@ if triton is not None:
                     NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8_MAX, MIN_SCALE, VALUE_GROUP)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < N
+        if PDL:  # (as in _add_rms_norm_kernel)
+            gdc_launch_dependents()
+            gdc_wait()
         gate = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
         silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
@@ -187,6 +195,12 @@ if triton is not None:
 
 
 # ---------------------------------------------------------------- the ops
+
+
+def _before_projection(x: torch.Tensor) -> dict:
+    """Launch options for a kernel whose output a projection reads next: PDL where that projection
+    is the Hopper kernel (which loads its weights while this one finishes), else none."""
+    return pdl.launch_options(x.device) if hopper_gemm.starts_early(x) else pdl.OFF
 
 
 def add_rms_norm(
@@ -204,6 +218,7 @@ def add_rms_norm(
         x, residual if residual is not None else x, out, weight, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, num_warps=4 if n <= 2048 else 8,
+        **_before_projection(x),
     )
     return out, (residual if residual is not None else x)
 
@@ -272,5 +287,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return F.silu(gate).mul_(up)  # (in place on silu's fresh output: one buffer fewer)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
+                                                               **_before_projection(x))
     return out

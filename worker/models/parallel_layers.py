@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.worker import cpu_gemm, ops, small_batch_gemm
+from minivllm.worker import cpu_gemm, hopper_gemm, ops, small_batch_gemm
 from minivllm.worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
 
 # A torch tensor or a safetensors PySafeSlice: both index like a tensor; the slice reads only what
@@ -55,11 +55,14 @@ def projection(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                packed_weight: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T + b for a projection layer, on the path that suits it: oneDNN's packed weight on
     the CPU (worker/cpu_gemm.py), the one-row kernel for a single row on CUDA
-    (worker/small_batch_gemm.py), else F.linear."""
+    (worker/small_batch_gemm.py), the Hopper kernel for a decode step's few hundred rows
+    (worker/hopper_gemm.py), else F.linear."""
     if packed_weight is not None:
         return cpu_gemm.linear(x, packed_weight, bias)
     if small_batch_gemm.supports(x, weight):
         return small_batch_gemm.linear(x, weight, bias)
+    if hopper_gemm.supports(x, weight, bias):
+        return hopper_gemm.linear(x, weight)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,116 @@
+"""y = x W^T for decode-sized batches on Hopper, in CUDA (hopper_gemm.cu), built with nvcc at worker start.
+
+A decode step's projections are short products whose time cuBLAS spends mostly in fixed costs:
+6-9 us each on an H100 at 64-256 rows (Qwen3-0.6B's shapes), against 1.4-4.2 us for their weights'
+bytes. This kernel computes y^T = W x^T: weight rows fill wgmma's 64-row side, the step's tokens
+its other side (tiles of 32-256). It launches with PDL (worker/pdl.py): one thread copies the CTA's
+weight chunks by TMA before the kernel ahead has finished (weights depend on nothing), another waits
+for that kernel before copying the activations, and two consumer warpgroups multiply alternate
+64-wide chunks of K, then add their sums. The kernels that feed it (add + RMSNorm, SiLU-and-mul)
+launch with PDL where it follows them (starts_early), so its weights load under their tails.
+
+Where it pays is measured, not assumed (benchmarks/RESULTS.md, 2026-11-27, fifteenth session).
+It serves bfloat16 products without bias on compute capability 9.0, from MIN_ROWS to MAX_ROWS
+rows, with N and K multiples of 64; everything else stays on cuBLAS. No nvcc, or a failed build:
+the worker logs why once and stays on cuBLAS. $MINIVLLM_HOPPER_GEMM=0 keeps cuBLAS (for measuring).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+from minivllm.worker import pdl
+from minivllm.worker.attention.cuda_build import library_or_none
+
+ENABLED = os.environ.get("MINIVLLM_HOPPER_GEMM", "1") != "0"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopper_gemm.cu")
+MIN_ROWS = 2  # one row is small_batch_gemm's GEMV
+MAX_ROWS = 256
+TOKEN_TILES = tuple(range(16, 257, 16))  # the source instantiates each (with few or with all weight stages)
+_ERROR_BYTES = 512
+
+
+class Tiling(NamedTuple):
+    token_tile: int
+    many_stages: bool  # as many weight stages as fit beside the activation ring, else 8
+
+
+def load_library(path: str) -> ctypes.CDLL:
+    """A built library, its entry point typed."""
+    lib = ctypes.CDLL(path)
+    fn = lib.minivllm_hopper_gemm
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ctypes.c_char_p, i32]
+    fn.restype = i32
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built (said once, in the log)."""
+    return library_or_none(SOURCE, "minivllm_hopper_gemm", "Hopper decode GEMM", load_library,
+                           "decode projections stay on cuBLAS")
+
+
+@functools.cache
+def _device_serves(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0) and library() is not None
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> bool:
+    """Whether y = x weight^T goes to the kernel: x [M, K] with MIN_ROWS <= M <= MAX_ROWS."""
+    return (ENABLED and weight is not None and bias is None and x.is_cuda and x.dim() == 2
+            and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and weight.shape[0] % 64 == 0 and weight.shape[1] % 64 == 0
+            and x.shape[1] == weight.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1
+            and x.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and _device_serves(x.device.index or 0))
+
+
+def starts_early(x: torch.Tensor) -> bool:
+    """Whether the kernel launched before a projection of x (rows of the step) should let it start
+    early (PDL): only where that projection is this kernel's, which loads its weights meanwhile."""
+    return (ENABLED and pdl.enabled(x.device) and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
+            and _device_serves(x.device.index or 0))
+
+
+def tiling(num_tokens: int, n: int, k: int, num_sms: int) -> Tiling:
+    """As many token tiles as fit one wave of CTAs beside the n / 64 row tiles, the tokens split
+    evenly among them, in tiles of a multiple of 16 (a decode step's padded batch then fills them:
+    rows past the end, which TMA fills with zeros, made a tile up to 1.7x slower), and of at least
+    32 tokens past 64 rows. All the weight stages that fit where K is long or the tiles are small;
+    few where K is short and the tiles wide, which leaves room for the next kernel's CTAs. On an
+    H100, at 2-256 rows of Qwen3-0.6B's four shapes, this is the fastest of the tilings around it
+    or within ~0.4 us of it (benchmarks/results/2026-11-27-hopper-gemm/gemm_probe3.txt)."""
+    token_tiles = max(1, num_sms // (n // 64))
+    tokens_per_tile = -(-num_tokens // token_tiles)
+    tile = min(TOKEN_TILES[-1], -(-tokens_per_tile // 16) * 16)
+    if num_tokens > 64:
+        tile = max(tile, 32)
+    return Tiling(tile, k > 1024 or num_tokens <= 64)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+           how: Tiling | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T -> [T, N] (bf16; see supports()). `how` overrides the tiling."""
+    lib = library()
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    if how is None:
+        how = tiling(num_tokens, n, k, pdl.num_sms(x.device.index or 0))
+    error = ctypes.create_string_buffer(_ERROR_BYTES)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = lib.minivllm_hopper_gemm(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                  weight.stride(0), num_tokens, n, k, how.token_tile, int(how.many_stages),
+                                  int(pdl.enabled(x.device)), stream, error, _ERROR_BYTES)
+    if rc != 0:
+        raise RuntimeError(f"hopper_gemm: {error.value.decode()}")
+    return out
