@@ -3,7 +3,7 @@
 A decode step's projections are short products whose time cuBLAS spends mostly in fixed costs:
 6-9 us each on an H100 at 64-256 rows (Qwen3-0.6B's shapes), against 1.4-4.2 us for their weights'
 bytes. This kernel computes y^T = W x^T: weight rows fill wgmma's 64-row side, the step's tokens
-its other side (tiles of 32-256). It launches with PDL (worker/pdl.py): one thread copies the CTA's
+its other side (tiles of 16-256). It launches with PDL (worker/pdl.py): one thread copies the CTA's
 weight chunks by TMA before the kernel ahead has finished (weights depend on nothing), another waits
 for that kernel before copying the activations, and two consumer warpgroups multiply alternate
 64-wide chunks of K, then add their sums. The kernels that feed it (add + RMSNorm, SiLU-and-mul)
@@ -11,8 +11,9 @@ launch with PDL where it follows them (starts_early), so its weights load under 
 
 Where it pays is measured, not assumed (benchmarks/RESULTS.md, 2026-11-27, fifteenth session).
 It serves bfloat16 products without bias on compute capability 9.0, from MIN_ROWS to MAX_ROWS
-rows, with N and K multiples of 64; everything else stays on cuBLAS. No nvcc, or a failed build:
-the worker logs why once and stays on cuBLAS. $MINIVLLM_HOPPER_GEMM=0 keeps cuBLAS (for measuring).
+rows, with N and K multiples of 64 and at most MAX_WEIGHT_BYTES of weights; everything else stays
+on cuBLAS. No nvcc, or a failed build: the worker logs why once and stays on cuBLAS.
+$MINIVLLM_HOPPER_GEMM=0 keeps cuBLAS (for measuring).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ ENABLED = os.environ.get("MINIVLLM_HOPPER_GEMM", "1") != "0"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopper_gemm.cu")
 MIN_ROWS = 2  # one row is small_batch_gemm's GEMV
 MAX_ROWS = 256
+# Projections with more weight than this stay on cuBLAS: the tiling was measured only on Qwen3-0.6B's
+# shapes (4-12 MiB of weights), where a decode step's products are mostly fixed cost. Bigger ones
+# (a 1.7B model's gate|up, 48 MiB) are more nearly bandwidth- or compute-bound, where cuBLAS's
+# tiles have not been measured against these.
+MAX_WEIGHT_BYTES = 16 << 20
 TOKEN_TILES = tuple(range(16, 257, 16))  # the source instantiates each (with few or with all weight stages)
 _ERROR_BYTES = 512
 
@@ -67,6 +73,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     return (ENABLED and weight is not None and bias is None and x.is_cuda and x.dim() == 2
             and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and weight.dim() == 2 and weight.shape[0] % 64 == 0 and weight.shape[1] % 64 == 0
+            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
             and x.shape[1] == weight.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1
             and x.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0
             and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0

@@ -90,6 +90,8 @@ def test_supports_only_what_it_serves() -> None:
                                     weight)
     assert not hopper_gemm.supports(x[:, :1000], weight[:, :1000])  # K not a multiple of 64
     assert not hopper_gemm.supports(x, torch.randn(4000, 1024, device="cuda", dtype=torch.bfloat16))
+    big = torch.empty(hopper_gemm.MAX_WEIGHT_BYTES // 2048 + 64, 1024, device="cuda", dtype=torch.bfloat16)
+    assert not hopper_gemm.supports(x, big)  # more weight than was measured against cuBLAS
 
 
 @pytest.mark.parametrize("rows", [48, 256])
