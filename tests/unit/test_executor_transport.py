@@ -65,3 +65,26 @@ def test_tcp_sockets_admit_only_the_executors_key(tiny_llama) -> None:
     finally:
         ctx.destroy(linger=0)
         executor.shutdown()
+
+
+def test_shutdown_returns_when_the_context_never_terminates(tiny_llama, monkeypatch, caplog) -> None:
+    """A socket the executor does not know of (opened through another handle on its ZMQ context)
+    keeps the context from terminating: shutdown still returns, after CONTEXT_TERM_TIMEOUT_S, and
+    says so, instead of hanging (as one CPU suite run once did in the test above)."""
+    import logging
+    import time
+
+    from minivllm.core import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "CONTEXT_TERM_TIMEOUT_S", 0.5)
+    executor = _NoWorkers(_config(tiny_llama))
+    executor.bind_sockets("127.0.0.1")
+    foreign = zmq.Context.shadow(executor.ctx.underlying).socket(zmq.PUSH)  # not in executor.ctx's own list
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger=executor_module.__name__):
+            executor.shutdown()
+        assert time.monotonic() - started < 5.0
+        assert "did not terminate" in caplog.text
+    finally:
+        foreign.close(linger=0)  # (the context's termination, waiting in its thread, then completes)
