@@ -198,8 +198,10 @@ if triton is not None:
 
 
 def _before_projection(x: torch.Tensor) -> dict:
-    """Launch options for a kernel whose output a projection reads next: PDL where that projection
-    is the Hopper kernel (which loads its weights while this one finishes), else none."""
+    """Launch options for a kernel whose output a projection reads next: PDL where the step's rows
+    are the Hopper kernel's (hopper_gemm.starts_early), so that it loads its weights while this
+    one finishes. Where cuBLAS takes the projection after all (a shape the kernel does not serve),
+    cuBLAS simply starts after this kernel, as without PDL."""
     return pdl.launch_options(x.device) if hopper_gemm.starts_early(x) else pdl.OFF
 
 
