@@ -1,17 +1,19 @@
-// y = x W^T for decode-sized batches (up to 256 rows) on Hopper (sm_90a): TMA + wgmma, by hand.
+// y = x W^T for decode-sized batches (2 to 256 rows) on Hopper (sm_90a): TMA + wgmma, by hand.
 //
 // A decode step's projections are short matrix products whose time cuBLAS spends mostly in fixed
 // costs (6-9 us each on an H100 against 1.4-4.2 us for their weights' bytes). This kernel computes
 // the product transposed, y^T = W x^T, so the weight rows fill wgmma's 64-row M side and the step's
-// tokens its N side (8 to 256), and it launches with PDL: one thread copies the CTA's weight tile
-// into a deep ring of shared-memory stages at once, before the kernel ahead has finished (the
-// weights depend on nothing), while another waits for that kernel (griddepcontrol.wait) before it
-// copies the activations. Each CTA owns 64 weight rows x BT tokens over all of K.
+// tokens its N side (tiles of 16 to 256), and it launches with PDL. Each CTA owns 64 weight rows x
+// BT tokens over all of K:
 //
-//   producer warpgroup: warp 0 lane 0 copies W's [64 rows x 64 k] chunks (TMA, 128-byte swizzle)
-//                       into SW stages; warp 1 lane 0 copies x's [BT rows x 64 k] chunks into SX.
-//   consumer warpgroup: 4 wgmma m64nBTk16 per chunk, both operands from shared memory, then the
-//                       accumulator goes out through shared memory (transposed) in 16-byte stores.
+//   producer warpgroup: thread 0 copies W's [64 rows x 64 k] chunks (TMA, 128-byte swizzle) into SW
+//                       stages at once, before the kernel ahead has finished (weights are no
+//                       kernel's output); thread 32 waits for that kernel (griddepcontrol.wait),
+//                       then copies x's [BT rows x 64 k] chunks into SX stages.
+//   two consumer warpgroups: alternate chunks, 4 wgmma m64nBTk16 each, both operands from shared
+//                       memory; their sums are added through shared memory and go out transposed,
+//                       in 16-byte stores. For a fused gate|up weight the epilogue returns
+//                       silu(gate) * up instead (kSiluMul).
 //
 // Built by worker/hopper_gemm.py with nvcc and called through ctypes.
 
