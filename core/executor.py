@@ -31,6 +31,7 @@ import math
 import secrets
 import socket
 import subprocess
+import threading
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -51,24 +52,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+POLL_MS = 1000
+# How long shutdown waits for the ZMQ context to terminate (_destroy_context).
+CONTEXT_TERM_TIMEOUT_S = 5.0
+
 
 def _destroy_context(ctx: zmq.Context, timeout: float) -> None:
     """ctx.destroy(linger=0), waited for at most `timeout` seconds. Terminating a context blocks
     until every socket in it is closed. Once, in the CPU suite, an executor's keyed TCP context never
     finished after its sockets and authenticator had closed; no cause was found. A context still
     terminating is left to a daemon thread, which the process's exit ends, and shutdown goes on."""
-    import threading
-
     thread = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, name="zmq-context-term", daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
         logger.warning("the executor's ZMQ context did not terminate within %.0f s; left to the process's exit",
                        timeout)
-
-POLL_MS = 1000
-# How long shutdown waits for the ZMQ context to terminate (below).
-CONTEXT_TERM_TIMEOUT_S = 5.0
 
 
 class WorkerDiedError(RuntimeError):
