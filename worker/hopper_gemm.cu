@@ -12,8 +12,7 @@
 //                       then copies x's [BT rows x 64 k] chunks into SX stages.
 //   two consumer warpgroups: alternate chunks, 4 wgmma m64nBTk16 each, both operands from shared
 //                       memory; their sums are added through shared memory and go out transposed,
-//                       in 16-byte stores. For a fused gate|up weight the epilogue returns
-//                       silu(gate) * up instead (kSiluMul).
+//                       in 16-byte stores.
 //
 // Built by worker/hopper_gemm.py with nvcc and called through ctypes.
 
@@ -30,7 +29,6 @@ constexpr int kRows = 64;          // weight rows per CTA (wgmma's M)
 constexpr int kChunk = 64;         // k per chunk: one 128-byte swizzle row of bf16
 constexpr int kWChunkBytes = kRows * 128;
 constexpr int kOutRowBytes = 144;  // a staged output row (64 bf16 + 16 bytes of padding: no bank conflicts)
-constexpr int kGatedRowBytes = 80;  // the same with SiLU-and-mul: 32 bf16 + 16 bytes
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -199,7 +197,6 @@ struct Params {
   int num_tokens;
   int num_chunks;    // K / 64
   int num_token_tiles;
-  int half_rows;     // with SiLU-and-mul: W's rows are gate | up, this many each
 };
 
 constexpr int kThreads = 384;          // a producer warpgroup and two consumer warpgroups
@@ -234,12 +231,7 @@ constexpr int max_stages() {
   return stages;
 }
 
-// With kSiluMul, W's rows are gate | up (a fused gate|up projection, half_rows each) and the kernel
-// returns silu(gate) * up: a CTA's 64 weight rows are 32 gate rows and the same 32 up rows, copied
-// by 8-row boxes (w_map's box) so that rows 16 q .. 16 q + 7 of the tile are gate rows 8 q .. 8 q + 7
-// and the 8 after them the matching up rows. A thread's two accumulator rows, r0 and r0 + 8, are then
-// one feature's gate and up, and the product is taken in registers.
-template <int BT, int SW, bool kSiluMul>
+template <int BT, int SW>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map, const Params p) {
   using L = Layout<BT, SW>;
@@ -280,16 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = i % SW;
         mbar_wait(w_empty(s), ((i / SW) & 1) ^ 1);  // a fresh barrier counts as released
         mbar_expect_tx(w_full(s), kWChunkBytes);
-        if constexpr (kSiluMul) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {  // 8-row groups: 1024-byte swizzle atoms, as in one 64-row box
-            const int gate_row = row_tile * (kRows / 2) + 8 * q;
-            tma_load_2d(w_smem(s) + 2 * q * 1024, &w_map, i * kChunk, gate_row, w_full(s));
-            tma_load_2d(w_smem(s) + (2 * q + 1) * 1024, &w_map, i * kChunk, p.half_rows + gate_row, w_full(s));
-          }
-        } else {
-          tma_load_2d(w_smem(s), &w_map, i * kChunk, row_tile * kRows, w_full(s));
-        }
+        tma_load_2d(w_smem(s), &w_map, i * kChunk, row_tile * kRows, w_full(s));
       }
     } else if (threadIdx.x == 32) {
       // x is the kernel ahead's output. Every write of this kernel follows this wait (the consumers
@@ -350,43 +333,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < BT / 2; ++j) partial[j * 128 + tid] = d[j];
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  constexpr int kRowBytes = kSiluMul ? kGatedRowBytes : kOutRowBytes;
-  constexpr int kOutCols = kSiluMul ? kRows / 2 : kRows;
   if (consumer == 0) {
 #pragma unroll
     for (int j = 0; j < BT / 2; ++j) d[j] += partial[j * 128 + tid];
     const int r0 = warp * 16 + lane / 4;
     const int c0 = 2 * (lane % 4);
-    if constexpr (kSiluMul) {
-      const int feature = warp * 8 + lane / 4;
-      auto silu_mul = [](float gate, float up) { return __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up); };
 #pragma unroll
-      for (int j = 0; j < BT / 8; ++j) {
-        reinterpret_cast<__nv_bfloat16*>(out_stage + (8 * j + c0) * kRowBytes)[feature] = silu_mul(d[4 * j], d[4 * j + 2]);
-        reinterpret_cast<__nv_bfloat16*>(out_stage + (8 * j + c0 + 1) * kRowBytes)[feature] =
-            silu_mul(d[4 * j + 1], d[4 * j + 3]);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < BT / 8; ++j) {
-        __nv_bfloat16* col = reinterpret_cast<__nv_bfloat16*>(out_stage + (8 * j + c0) * kRowBytes);
-        __nv_bfloat16* next_col = reinterpret_cast<__nv_bfloat16*>(out_stage + (8 * j + c0 + 1) * kRowBytes);
-        col[r0] = __float2bfloat16_rn(d[4 * j]);
-        next_col[r0] = __float2bfloat16_rn(d[4 * j + 1]);
-        col[r0 + 8] = __float2bfloat16_rn(d[4 * j + 2]);
-        next_col[r0 + 8] = __float2bfloat16_rn(d[4 * j + 3]);
-      }
+    for (int j = 0; j < BT / 8; ++j) {
+      __nv_bfloat16* col = reinterpret_cast<__nv_bfloat16*>(out_stage + (8 * j + c0) * kOutRowBytes);
+      __nv_bfloat16* next_col = reinterpret_cast<__nv_bfloat16*>(out_stage + (8 * j + c0 + 1) * kOutRowBytes);
+      col[r0] = __float2bfloat16_rn(d[4 * j]);
+      next_col[r0] = __float2bfloat16_rn(d[4 * j + 1]);
+      col[r0 + 8] = __float2bfloat16_rn(d[4 * j + 2]);
+      next_col[r0 + 8] = __float2bfloat16_rn(d[4 * j + 3]);
     }
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   const int first_token = token_tile * BT;
-  __nv_bfloat16* y = p.y + row_tile * kOutCols;
-  constexpr int kPieces = kOutCols / 8;  // 16-byte pieces of a token's row
+  __nv_bfloat16* y = p.y + row_tile * kRows;
 #pragma unroll
-  for (int i = threadIdx.x - 128; i < BT * kPieces; i += 256) {
-    const int t = i / kPieces, piece = i % kPieces;
+  for (int i = threadIdx.x - 128; i < BT * 8; i += 256) {
+    const int t = i / 8, piece = i % 8;
     if (first_token + t < p.num_tokens) {
-      const uint4 v = *reinterpret_cast<const uint4*>(out_stage + t * kRowBytes + piece * 16);
+      const uint4 v = *reinterpret_cast<const uint4*>(out_stage + t * kOutRowBytes + piece * 16);
       *reinterpret_cast<uint4*>(y + static_cast<int64_t>(first_token + t) * p.y_stride + piece * 8) = v;
     }
   }
@@ -422,13 +391,13 @@ bool encode_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols
   return true;
 }
 
-template <int BT, int SW, bool kSiluMul>
+template <int BT, int SW>
 int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, int grid, bool pdl, cudaStream_t stream,
            char* error, int error_len) {
   using L = Layout<BT, SW>;
   static bool configured = false;
   if (!configured) {
-    cudaError_t err = cudaFuncSetAttribute(gemm_kernel<BT, SW, kSiluMul>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+    cudaError_t err = cudaFuncSetAttribute(gemm_kernel<BT, SW>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
     if (err != cudaSuccess) {
       snprintf(error, error_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(err));
       return 1;
@@ -445,7 +414,7 @@ int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, 
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW, kSiluMul>, w_map, x_map, p);
+  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW>, w_map, x_map, p);
   if (err != cudaSuccess) {
     snprintf(error, error_len, "launch: %s", cudaGetErrorString(err));
     return 1;
@@ -457,12 +426,11 @@ int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, 
 
 // y [num_tokens, n] = x [num_tokens, k] w [n, k]^T, bf16, unit stride along each row, strides in
 // elements (rows 16-byte aligned); n and k multiples of 64, token_tile a multiple of 16 from 16 to
-// 256; with many_stages, as many weight stages as fit (else 8). With silu_mul, w's rows are gate |
-// up (n / 2 each) and y [num_tokens, n / 2] = silu(x gate^T) * (x up^T). pdl: launched as a
-// programmatic dependent of the kernel ahead. Returns 0, or 1 with a message in error.
+// 256; with many_stages, as many weight stages as fit (else 8). pdl: launched as a programmatic
+// dependent of the kernel ahead. Returns 0, or 1 with a message in error.
 extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, int64_t x_stride, const void* w,
                                     int64_t w_stride, int num_tokens, int n, int k, int token_tile, int many_stages,
-                                    int silu_mul, int pdl, void* stream, char* error, int error_len) {
+                                    int pdl, void* stream, char* error, int error_len) {
   if (n % kRows != 0 || k % kChunk != 0 || num_tokens < 1) {
     snprintf(error, error_len, "n and k must be multiples of 64 and num_tokens positive, got n %d k %d tokens %d", n, k,
              num_tokens);
@@ -473,20 +441,17 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
     return 1;
   }
   CUtensorMap w_map, x_map;
-  // SiLU-and-mul's weight tile comes in 8-row boxes, a gate group and its up group in turn.
-  if (!encode_map(&w_map, w, n, k, w_stride, silu_mul ? 8 : kRows, error, error_len) ||
+  if (!encode_map(&w_map, w, n, k, w_stride, kRows, error, error_len) ||
       !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
     return 1;
   const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
-  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, n / 2};
+  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles};
   const int grid = (n / kRows) * num_token_tiles;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-#define MINIVLLM_LAUNCH(BT, GATED)                                                                         \
-  (many_stages ? launch<BT, max_stages<BT>(), GATED>(w_map, x_map, p, grid, pdl, s, error, error_len)     \
-               : launch<BT, kFewStages, GATED>(w_map, x_map, p, grid, pdl, s, error, error_len))
-#define MINIVLLM_TOKEN_TILE(BT) \
-  case BT:                      \
-    return silu_mul ? MINIVLLM_LAUNCH(BT, true) : MINIVLLM_LAUNCH(BT, false);
+#define MINIVLLM_TOKEN_TILE(BT)                                                                   \
+  case BT:                                                                                        \
+    return many_stages ? launch<BT, max_stages<BT>()>(w_map, x_map, p, grid, pdl, s, error, error_len) \
+                       : launch<BT, kFewStages>(w_map, x_map, p, grid, pdl, s, error, error_len);
   switch (token_tile) {
     MINIVLLM_TOKEN_TILE(16) MINIVLLM_TOKEN_TILE(32) MINIVLLM_TOKEN_TILE(48) MINIVLLM_TOKEN_TILE(64)
     MINIVLLM_TOKEN_TILE(80) MINIVLLM_TOKEN_TILE(96) MINIVLLM_TOKEN_TILE(112) MINIVLLM_TOKEN_TILE(128)
@@ -494,6 +459,5 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
     MINIVLLM_TOKEN_TILE(208) MINIVLLM_TOKEN_TILE(224) MINIVLLM_TOKEN_TILE(240) MINIVLLM_TOKEN_TILE(256)
   }
 #undef MINIVLLM_TOKEN_TILE
-#undef MINIVLLM_LAUNCH
   return 1;  // (unreachable: the tile was checked)
 }

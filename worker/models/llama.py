@@ -242,9 +242,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        activated = self.gate_up_proj.silu_mul(x)  # (None where no kernel fuses it)
-        if activated is not None:
-            return self.down_proj(activated)
         return self.down_proj(self.gate_up_proj(x), gated=True)
 
 

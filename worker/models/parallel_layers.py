@@ -96,14 +96,6 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return projection(x, self.weight, self.bias, self.packed_weight)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a fused gate|up layer, straight from the Hopper kernel's epilogue where
-        it serves this product (worker/hopper_gemm.py); None elsewhere: the caller projects, then
-        runs SiLU-and-mul."""
-        if hopper_gemm.SILU_MUL and self.packed_weight is None and hopper_gemm.supports(x, self.weight, self.bias):
-            return hopper_gemm.linear(x, self.weight, silu_mul=True)
-        return None
-
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """This projection of norm(x + residual) (of norm(x) without a residual), and x + residual:
