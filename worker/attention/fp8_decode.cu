@@ -261,6 +261,11 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t shared[];
 
+  // The kernel after this one (o_proj's, the split merge) may launch as this grid's last CTAs start,
+  // and load what no kernel writes (its weights) on the SMs they leave; it waits for the whole grid
+  // (griddepcontrol.wait) before it reads the output. Without this it launched only once every CTA
+  // had exited.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int kv_head = blockIdx.x;
   const int seq = p.seq_order != nullptr ? p.seq_order[blockIdx.y] : blockIdx.y;
   const int split = blockIdx.z;
