@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "hopper_ptx.cuh"
+
 namespace {
 
 constexpr int kRows = 64;          // weight rows per CTA (wgmma's M)
@@ -30,46 +32,11 @@ constexpr int kChunk = 64;         // k per chunk: one 128-byte swizzle row of b
 constexpr int kWChunkBytes = kRows * 128;
 constexpr int kOutRowBytes = 144;  // a staged output row (64 bf16 + 16 bytes of padding: no bank conflicts)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
-}
-// A wgmma descriptor for a K-major operand with the 128-byte swizzle (8-row groups 1024 bytes apart).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
-         (1ull << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
 // D [64 x N] (+)= A [64 x 16] * B [N x 16]^T, both operands from shared memory (K-major, 128-byte
@@ -298,8 +265,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float d[BT / 2];
 #pragma unroll
   for (int i = 0; i < BT / 2; ++i) d[i] = 0.f;
-  const uint64_t w_desc0 = smem_desc(w_smem(0));
-  const uint64_t x_desc0 = smem_desc(x_smem(0));
+  // Both operands K-major with the 128-byte swizzle: 8-row groups 1024 bytes apart.
+  const uint64_t w_desc0 = smem_desc(w_smem(0), 16, 1024);
+  const uint64_t x_desc0 = smem_desc(x_smem(0), 16, 1024);
   // Each chunk's products are waited for before the next chunk's are issued: with a chunk still in
   // flight across the loop's back edge, ptxas serializes every wgmma (warning C7514). The other
   // consumer's products fill that wait.

@@ -1,9 +1,10 @@
 """Build a CUDA source of this package into a shared library at worker start, once per machine.
 
-The kernels written in CUDA (hopper_prefill.cu, fp8_decode.cu) take plain pointers and a stream
-and are loaded with ctypes, so they need no torch headers: nvcc builds one in ~2 s. A build goes
-to `$MINIVLLM_CACHE/kernels/` under a name that fingerprints the source and nvcc, built in a
-directory of its own and renamed into place, so concurrent builds never wait on a lock.
+The kernels written in CUDA (hopper_gemm.cu, hopper_prefill.cu, fp8_decode.cu) take plain pointers
+and a stream and are loaded with ctypes, so they need no torch headers: nvcc builds one in seconds.
+A build goes to `$MINIVLLM_CACHE/kernels/` under a name that fingerprints the source, the files it
+includes with `#include "..."` (hopper_ptx.cuh) and nvcc, built in a directory of its own and
+renamed into place, so concurrent builds never wait on a lock.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -43,6 +45,35 @@ def compile_library(nvcc: str, source: str, target: str) -> str:
     return result.stderr
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_files(source: str) -> list[str]:
+    """source and the files it includes with `#include "..."` (relative to the including file, as
+    nvcc finds them), transitively: what a build's fingerprint covers."""
+    files, pending = [], [os.path.abspath(source)]
+    while pending:
+        path = pending.pop()
+        if path in files:
+            continue
+        files.append(path)
+        with open(path, "rb") as f:
+            text = f.read()
+        directory = os.path.dirname(path)
+        pending.extend(os.path.normpath(os.path.join(directory, name.decode())) for name in _LOCAL_INCLUDE.findall(text))
+    return files
+
+
+def build_name(source: str, stem: str, nvcc_version: str) -> str:
+    """The file name (without .so) of source's build: stem and a fingerprint of nvcc's version and
+    of source_files(source)."""
+    digest = hashlib.sha1(nvcc_version.encode())
+    for path in source_files(source):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return f"{stem}_{digest.hexdigest()[:16]}"
+
+
 def built_library(source: str, stem: str, what: str) -> str:
     """The path of source's build (building it now if this machine has none); `stem` prefixes its
     file name, `what` names the kernel in the log. Raises RuntimeError where it cannot be built."""
@@ -50,8 +81,7 @@ def built_library(source: str, stem: str, what: str) -> str:
     if nvcc is None:
         raise RuntimeError("nvcc not found (on PATH or under CUDA_HOME)")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    with open(source, "rb") as f:
-        name = f"{stem}_{hashlib.sha1(version.encode() + f.read()).hexdigest()[:16]}"
+    name = build_name(source, stem, version)
     kernels = str(cache_root() / "kernels")
     built = os.path.join(kernels, f"{name}.so")
     if not os.path.exists(built):
