@@ -173,7 +173,9 @@ def main() -> None:
     ms = cuda_time_ms(lambda: paged_attention(q, runner.kv_caches[0], metadata, attn.scale))
     layout = runner.kv_layout
     kv_bytes = args.batch * (args.context + 1) * 2 * layout.block_bytes // layout.block_size
-    print(f"  attention kernel, one layer: {ms * 1000:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
+    # Timed eagerly, one launch at a time: on an H100 this read ~360 us (~2.0 TB/s) for 256 x 700,
+    # where benchmarks/read_ceilings.py times the same kernel in a CUDA graph at ~2.98 TB/s.
+    print(f"  attention kernel, one layer, eager: {ms * 1000:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
           f"(x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
 
     # A full-budget prefill step (fresh requests, whole prompts of --prompt-len tokens, or one).
@@ -223,6 +225,9 @@ def main() -> None:
                 runner.execute_model(decode_output())
                 computed = [c + 1 for c in computed]
         torch.cuda.synchronize()
+    # With PDL (the default on Hopper) a kernel starts before the one ahead has finished and waits
+    # inside: its span here includes that wait, so the kernels' sum exceeds the step's time (the
+    # Hopper GEMM read 2-3x its time alone). The graph replay above is the step's time.
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
