@@ -333,17 +333,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // with the 128-byte swizzle; rows past the end read as zeros.
 bool encode_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols, int64_t stride, uint32_t box_rows,
                 char* error, int error_len) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult found;
-    void* fn = nullptr;
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
-      snprintf(error, error_len, "cuTensorMapEncodeTiled not found: %s", cudaGetErrorString(err));
-      return false;
-    }
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(error, error_len);
+  if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
   const cuuint32_t box[2] = {64, box_rows};

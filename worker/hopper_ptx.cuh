@@ -1,9 +1,14 @@
-// Hopper (sm_90a) PTX helpers shared by the hand-written kernels: shared-memory addresses,
-// mbarriers, wgmma's fences and descriptors. Included by worker/hopper_gemm.cu and
-// worker/attention/hopper_prefill.cu (cuda_build.py fingerprints it with each source).
+// Hopper (sm_90a) helpers shared by the hand-written kernels: shared-memory addresses, mbarriers,
+// wgmma's fences and descriptors, and (on the host) the driver's tensor-map encoder. Included by
+// worker/hopper_gemm.cu and worker/attention/hopper_prefill.cu (cuda_build.py fingerprints it with
+// each source).
 #pragma once
 
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 #include <stdint.h>
+#include <stdio.h>
 
 namespace {  // (each kernel's source includes this once)
 
@@ -56,6 +61,22 @@ template <int N>
 __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// cuTensorMapEncodeTiled from the driver (looked up once), or nullptr with the reason in error.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(char* error, int error_len) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      snprintf(error, error_len, "cuTensorMapEncodeTiled not found: %s", cudaGetErrorString(err));
+      return nullptr;
+    }
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  return encode;
 }
 
 }  // namespace

@@ -509,17 +509,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // of box_rows rows x 1 head x 64 dims with the 128-byte swizzle.
 bool encode_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t heads, int64_t stride_row,
                 int64_t stride_head, uint32_t box_rows, char* error, int error_len) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult found;
-    void* fn = nullptr;
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
-      snprintf(error, error_len, "cuTensorMapEncodeTiled not found: %s", cudaGetErrorString(err));
-      return false;
-    }
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(error, error_len);
+  if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {kHeadDim, heads, rows};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(stride_head) * 2, static_cast<cuuint64_t>(stride_row) * 2};
   const cuuint32_t box[3] = {64, 1, box_rows};
