@@ -174,7 +174,9 @@ constexpr int kFewStages = 8;
 // stages), then the barriers.
 template <int BT, int SW>
 struct Layout {
-  static constexpr int SX = 4;
+  // x's chunks are small in narrow tiles (2 KB at 16 tokens), and each refill waits a round trip
+  // after the chunk before it in that stage is consumed: more of them in flight there.
+  static constexpr int SX = BT <= 32 ? 16 : BT <= 64 ? 8 : 4;
   // Both rings have an even number of stages, so each stage is always the same consumer's (chunk i
   // is consumer i % 2's). With a stage shared, a consumer could wait for a stage's next fill while
   // its previous one was still in flight, on a barrier then a phase behind: the wait's parity
