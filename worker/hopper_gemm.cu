@@ -14,6 +14,12 @@
 //                       memory; their sums are added through shared memory and go out transposed,
 //                       in 16-byte stores.
 //
+// GATED (the MLP's fused gate|up projection, n = 2 x intermediate): a CTA's 64 rows are 32 gate rows
+// and the same 32 features' up rows, two TMA boxes a chunk (at row r and at n / 2 + r), so that
+// warps 0-1 of a consumer hold gate sums and warps 2-3 the up sums of the same features in the same
+// registers. The epilogue returns silu(gate) * up [tokens, n / 2] from the float sums: SiLU-and-mul's
+// kernel goes, and so does half of the projection's output.
+//
 // Built by worker/hopper_gemm.py with nvcc and called through ctypes.
 
 #include <cuda.h>
@@ -164,6 +170,7 @@ struct Params {
   int num_tokens;
   int num_chunks;    // K / 64
   int num_token_tiles;
+  int up_row0;       // GATED: the first up row (n / 2)
 };
 
 constexpr int kThreads = 384;          // a producer warpgroup and two consumer warpgroups
@@ -172,7 +179,7 @@ constexpr int kFewStages = 8;
 
 // Shared memory for token tile BT and SW weight stages: the weight ring, the activation ring (SX
 // stages), then the barriers.
-template <int BT, int SW>
+template <int BT, int SW, bool GATED = false>
 struct Layout {
   // x's chunks are small in narrow tiles (2 KB at 16 tokens), and each refill waits a round trip
   // after the chunk before it in that stage is consumed: more of them in flight there.
@@ -190,6 +197,10 @@ struct Layout {
   static_assert(kBytes <= kSharedLimit, "shared memory");
   static_assert(BT * kOutRowBytes <= SW * kWChunkBytes, "the output is staged in the weight stages");
   static_assert(BT * 256 <= SX * kXChunkBytes, "consumer 1's sums wait in the activation stages");
+  static constexpr int kGatedOutRowBytes = 80;  // 32 bf16 + 16 bytes of padding
+  static_assert(!GATED || BT * 256 <= SW * kWChunkBytes, "consumer 0's sums wait in the weight stages");
+  static_assert(!GATED || BT * (256 + kGatedOutRowBytes) <= SX * kXChunkBytes,
+                "the gated output is staged in the activation stages, after consumer 1's sums");
 };
 
 // The most weight stages (an even number) that fit beside token tile BT's activation ring (at most 24).
@@ -200,10 +211,10 @@ constexpr int max_stages() {
   return stages;
 }
 
-template <int BT, int SW>
+template <int BT, int SW, bool GATED>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map, const Params p) {
-  using L = Layout<BT, SW>;
+  using L = Layout<BT, SW, GATED>;
   constexpr int SX = L::SX;
   // Consecutive CTAs share a weight tile (its token tiles), so its rows come from DRAM once.
   const int row_tile = blockIdx.x / p.num_token_tiles;
@@ -241,7 +252,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = i % SW;
         mbar_wait(w_empty(s), ((i / SW) & 1) ^ 1);  // a fresh barrier counts as released
         mbar_expect_tx(w_full(s), kWChunkBytes);
-        tma_load_2d(w_smem(s), &w_map, i * kChunk, row_tile * kRows, w_full(s));
+        if (GATED) {  // 32-row boxes: the swizzle follows the address, so two make one 64-row tile
+          tma_load_2d(w_smem(s), &w_map, i * kChunk, row_tile * (kRows / 2), w_full(s));
+          tma_load_2d(w_smem(s) + kWChunkBytes / 2, &w_map, i * kChunk, p.up_row0 + row_tile * (kRows / 2), w_full(s));
+        } else {
+          tma_load_2d(w_smem(s), &w_map, i * kChunk, row_tile * kRows, w_full(s));
+        }
       }
     } else if (threadIdx.x == 32) {
       // x is the kernel ahead's output. Every write of this kernel follows this wait (the consumers
@@ -303,6 +319,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < BT / 2; ++j) partial[j * 128 + tid] = d[j];
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  const int first_token = token_tile * BT;
+  if (GATED) {
+    // Warp w + 2 holds, register for register, the up sums of the features whose gate sums warp w
+    // holds. Consumer 0 leaves its sums beside consumer 1's (weight ring, activation ring), and all
+    // 256 threads take the pairs in turn: silu(gate) * up, staged [token][feature] after consumer
+    // 1's sums. (Two warps alone, each with its own pairs, made the epilogue the kernel's longest part.)
+    float* own = reinterpret_cast<float*>(out_stage);
+    uint8_t* gated_stage = smem + L::kX + BT * 256;
+    if (consumer == 0) {
+#pragma unroll
+      for (int j = 0; j < BT / 2; ++j) own[j * 128 + tid] = d[j];
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll 4
+    for (int q = threadIdx.x - 128; q < BT * 32; q += 256) {
+      const int j = q / 64, gate_tid = q % 64;  // a gate sum: register j of consumer thread gate_tid
+      const int at = j * 128 + gate_tid;
+      const float gate = own[at] + partial[at], up = own[at + 64] + partial[at + 64];
+      const int gate_lane = gate_tid % 32;
+      const int col = 8 * (j / 4) + 2 * (gate_lane % 4) + j % 2;
+      const int row = (gate_tid / 32) * 16 + gate_lane / 4 + 8 * ((j / 2) % 2);
+      reinterpret_cast<__nv_bfloat16*>(gated_stage + col * L::kGatedOutRowBytes)[row] =
+          __float2bfloat16_rn(__fdividef(gate, 1.f + __expf(-gate)) * up);
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    __nv_bfloat16* y = p.y + row_tile * (kRows / 2);
+#pragma unroll
+    for (int i = threadIdx.x - 128; i < BT * 4; i += 256) {
+      const int t = i / 4, piece = i % 4;
+      if (first_token + t < p.num_tokens) {
+        const uint4 v = *reinterpret_cast<const uint4*>(gated_stage + t * L::kGatedOutRowBytes + piece * 16);
+        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(first_token + t) * p.y_stride + piece * 8) = v;
+      }
+    }
+    return;
+  }
   if (consumer == 0) {
 #pragma unroll
     for (int j = 0; j < BT / 2; ++j) d[j] += partial[j * 128 + tid];
@@ -319,7 +371,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  const int first_token = token_tile * BT;
   __nv_bfloat16* y = p.y + row_tile * kRows;
 #pragma unroll
   for (int i = threadIdx.x - 128; i < BT * 8; i += 256) {
@@ -352,13 +403,14 @@ bool encode_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols
   return true;
 }
 
-template <int BT, int SW>
+template <int BT, int SW, bool GATED>
 int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, int grid, bool pdl, cudaStream_t stream,
            char* error, int error_len) {
-  using L = Layout<BT, SW>;
+  using L = Layout<BT, SW, GATED>;
   static bool configured = false;
   if (!configured) {
-    cudaError_t err = cudaFuncSetAttribute(gemm_kernel<BT, SW>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+    cudaError_t err =
+        cudaFuncSetAttribute(gemm_kernel<BT, SW, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
     if (err != cudaSuccess) {
       snprintf(error, error_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(err));
       return 1;
@@ -375,7 +427,7 @@ int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, 
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW>, w_map, x_map, p);
+  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW, GATED>, w_map, x_map, p);
   if (err != cudaSuccess) {
     snprintf(error, error_len, "launch: %s", cudaGetErrorString(err));
     return 1;
@@ -387,11 +439,12 @@ int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, 
 
 // y [num_tokens, n] = x [num_tokens, k] w [n, k]^T, bf16, unit stride along each row, strides in
 // elements (rows 16-byte aligned); n and k multiples of 64, token_tile a multiple of 16 from 16 to
-// 256; with many_stages, as many weight stages as fit (else 8). pdl: launched as a programmatic
+// 256; with many_stages, as many weight stages as fit (else 8). silu_mul: w is gate | up (n / 2
+// rows each) and y [num_tokens, n / 2] = silu(x gate^T) * (x up^T). pdl: launched as a programmatic
 // dependent of the kernel ahead. Returns 0, or 1 with a message in error.
 extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, int64_t x_stride, const void* w,
                                     int64_t w_stride, int num_tokens, int n, int k, int token_tile, int many_stages,
-                                    int pdl, void* stream, char* error, int error_len) {
+                                    int silu_mul, int pdl, void* stream, char* error, int error_len) {
   if (n % kRows != 0 || k % kChunk != 0 || num_tokens < 1) {
     snprintf(error, error_len, "n and k must be multiples of 64 and num_tokens positive, got n %d k %d tokens %d", n, k,
              num_tokens);
@@ -402,17 +455,19 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
     return 1;
   }
   CUtensorMap w_map, x_map;
-  if (!encode_map(&w_map, w, n, k, w_stride, kRows, error, error_len) ||
+  if (!encode_map(&w_map, w, n, k, w_stride, silu_mul ? kRows / 2 : kRows, error, error_len) ||
       !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
     return 1;
   const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
-  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles};
+  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, n / 2};
   const int grid = (n / kRows) * num_token_tiles;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-#define MINIVLLM_TOKEN_TILE(BT)                                                                   \
-  case BT:                                                                                        \
-    return many_stages ? launch<BT, max_stages<BT>()>(w_map, x_map, p, grid, pdl, s, error, error_len) \
-                       : launch<BT, kFewStages>(w_map, x_map, p, grid, pdl, s, error, error_len);
+#define MINIVLLM_LAUNCH(BT, SW)                                                              \
+  (silu_mul ? launch<BT, SW, true>(w_map, x_map, p, grid, pdl, s, error, error_len) \
+            : launch<BT, SW, false>(w_map, x_map, p, grid, pdl, s, error, error_len))
+#define MINIVLLM_TOKEN_TILE(BT) \
+  case BT:                      \
+    return many_stages ? MINIVLLM_LAUNCH(BT, max_stages<BT>()) : MINIVLLM_LAUNCH(BT, kFewStages);
   switch (token_tile) {
     MINIVLLM_TOKEN_TILE(16) MINIVLLM_TOKEN_TILE(32) MINIVLLM_TOKEN_TILE(48) MINIVLLM_TOKEN_TILE(64)
     MINIVLLM_TOKEN_TILE(80) MINIVLLM_TOKEN_TILE(96) MINIVLLM_TOKEN_TILE(112) MINIVLLM_TOKEN_TILE(128)
@@ -420,5 +475,6 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
     MINIVLLM_TOKEN_TILE(208) MINIVLLM_TOKEN_TILE(224) MINIVLLM_TOKEN_TILE(240) MINIVLLM_TOKEN_TILE(256)
   }
 #undef MINIVLLM_TOKEN_TILE
+#undef MINIVLLM_LAUNCH
   return 1;  // (unreachable: the tile was checked)
 }

@@ -6,14 +6,18 @@ bytes. This kernel computes y^T = W x^T: weight rows fill wgmma's 64-row side, t
 its other side (tiles of 16-256). It launches with PDL (worker/pdl.py): one thread copies the CTA's
 weight chunks by TMA before the kernel ahead has finished (weights depend on nothing), another waits
 for that kernel before copying the activations, and two consumer warpgroups multiply alternate
-64-wide chunks of K, then add their sums. The kernels that feed it (add + RMSNorm, SiLU-and-mul)
-launch with PDL where it follows them (starts_early), so its weights load under their tails.
+64-wide chunks of K, then add their sums. For the MLP's gate|up projection it can return
+silu(gate) * up directly (linear's silu_mul: a CTA's 64 rows are 32 gate rows and the same features'
+32 up rows), so SiLU-and-mul's kernel and half the projection's output go. The kernels that feed it
+(add + RMSNorm) launch with PDL where it follows them (starts_early), so its weights load under
+their tails.
 
 Where it pays is measured, not assumed (benchmarks/RESULTS.md, 2026-11-27, fifteenth session).
 It serves bfloat16 products without bias on compute capability 9.0, from MIN_ROWS to MAX_ROWS
 rows, with N and K multiples of 64 and at most MAX_WEIGHT_BYTES of weights; everything else stays
 on cuBLAS. No nvcc, or a failed build: the worker logs why once and stays on cuBLAS.
-$MINIVLLM_HOPPER_GEMM=0 keeps cuBLAS (for measuring).
+$MINIVLLM_HOPPER_GEMM=0 keeps cuBLAS, $MINIVLLM_HOPPER_GEMM_SILU_MUL=0 runs SiLU-and-mul as its own
+kernel (both for measuring).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from minivllm.worker import pdl
 from minivllm.worker.attention.cuda_build import library_or_none
 
 ENABLED = os.environ.get("MINIVLLM_HOPPER_GEMM", "1") != "0"
+SILU_MUL = os.environ.get("MINIVLLM_HOPPER_GEMM_SILU_MUL", "1") != "0"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopper_gemm.cu")
 MIN_ROWS = 2  # one row is small_batch_gemm's GEMV
 MAX_ROWS = 256
@@ -51,7 +56,7 @@ def load_library(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     fn = lib.minivllm_hopper_gemm
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ctypes.c_char_p, i32]
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, ptr, ctypes.c_char_p, i32]
     fn.restype = i32
     return lib
 
@@ -105,20 +110,23 @@ def tiling(num_tokens: int, n: int, k: int, num_sms: int) -> Tiling:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-           how: Tiling | None = None) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T -> [T, N] (bf16; see supports()). `how` overrides the tiling."""
+           how: Tiling | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T -> [T, N] (bf16; see supports()). With silu_mul, weight is a fused
+    gate | up projection (N / 2 rows each) and the result silu(x gate^T) * (x up^T) [T, N / 2], taken
+    from the float sums in the kernel's epilogue (ops.silu_and_mul takes it from their bf16
+    rounding). `how` overrides the tiling."""
     lib = library()
     num_tokens, k = x.shape
     n = weight.shape[0]
     if out is None:
-        out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(num_tokens, n // 2 if silu_mul else n, dtype=x.dtype, device=x.device)
     if how is None:
         how = tiling(num_tokens, n, k, pdl.num_sms(x.device.index or 0))
     error = ctypes.create_string_buffer(_ERROR_BYTES)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.minivllm_hopper_gemm(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
                                   weight.stride(0), num_tokens, n, k, how.token_tile, int(how.many_stages),
-                                  int(pdl.enabled(x.device)), stream, error, _ERROR_BYTES)
+                                  int(silu_mul), int(pdl.enabled(x.device)), stream, error, _ERROR_BYTES)
     if rc != 0:
         raise RuntimeError(f"hopper_gemm: {error.value.decode()}")
     return out

@@ -64,6 +64,27 @@ def test_every_token_tile_repeatedly(n: int, k: int) -> None:
                 assert err < 5e-3, (tile, many_stages, err)
 
 
+@pytest.mark.parametrize("n,k", [(6144, 1024), (192, 64), (1024, 3072)])
+@pytest.mark.parametrize("rows", [2, 33, 100, 256])
+def test_silu_mul_matches_fp64(n: int, k: int, rows: int) -> None:
+    """A fused gate|up weight (n / 2 rows each) gives silu(x gate^T) * (x up^T), every tile width
+    and both stage counts: 32 gate rows and the same 32 up rows per CTA, whatever the tile."""
+    hopper_gemm = _gemm()
+    gen = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    gate, up = (x.double() @ weight.double().T).split(n // 2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    rule = hopper_gemm.tiling(rows, n, k, 132)
+    for tile in sorted({16, 64, 144, 256, rule.token_tile}):
+        for many_stages in (False, True):
+            out = torch.full((rows, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+            hopper_gemm.linear(x, weight, out=out, how=hopper_gemm.Tiling(tile, many_stages), silu_mul=True)
+            err = _relative_error(out, ref)
+            assert err < 5e-3, (tile, many_stages, err)
+    assert _relative_error(hopper_gemm.linear(x, weight, silu_mul=True), ref) < 5e-3
+
+
 def test_strided_rows_and_untouched_neighbours() -> None:
     """x a column slice of a wider buffer, y written into a column slice of another: nothing
     outside y's slice changes."""
@@ -95,10 +116,12 @@ def test_supports_only_what_it_serves() -> None:
 
 
 @pytest.mark.parametrize("rows", [48, 256])
-def test_a_block_in_a_graph_with_pdl_equals_eager(rows: int) -> None:
-    """An MLP block as the model runs it (add + RMSNorm, gate|up, SiLU-and-mul, down, two layers),
-    captured in a CUDA graph, where the norms and SiLU-and-mul launch with PDL ahead of the kernel,
-    gives the bits it gives eagerly, and a float64 reference within bf16's rounding."""
+@pytest.mark.parametrize("fused", [True, False], ids=["silu-in-epilogue", "silu-kernel"])
+def test_a_block_in_a_graph_with_pdl_equals_eager(rows: int, fused: bool) -> None:
+    """An MLP block as the model runs it (add + RMSNorm, gate|up with SiLU-and-mul in its epilogue
+    or after it, down, two layers), captured in a CUDA graph, where the norms (and SiLU-and-mul)
+    launch with PDL ahead of the kernel, gives the bits it gives eagerly, and a float64 reference
+    within bf16's rounding."""
     hopper_gemm = _gemm()
     from minivllm.worker import ops
 
@@ -115,7 +138,9 @@ def test_a_block_in_a_graph_with_pdl_equals_eager(rows: int) -> None:
     def block(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         for gate_up, down, norm in layers:
             normed, residual = ops.add_rms_norm(x, norm, 1e-6, residual)
-            x = hopper_gemm.linear(ops.silu_and_mul(hopper_gemm.linear(normed, gate_up)), down)
+            activated = (hopper_gemm.linear(normed, gate_up, silu_mul=True) if fused
+                         else ops.silu_and_mul(hopper_gemm.linear(normed, gate_up)))
+            x = hopper_gemm.linear(activated, down)
         return x
 
     eager = block(x0, residual0.clone())
@@ -136,3 +161,50 @@ def test_a_block_in_a_graph_with_pdl_equals_eager(rows: int) -> None:
         gate, up = (normed @ gate_up.double().T).split(inter, dim=-1)
         ref = (torch.nn.functional.silu(gate) * up) @ down.double().T
     assert _relative_error(eager, ref) < 2e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 96, 256, 300])
+def test_the_decoder_layers_mlp_takes_the_fused_kernel(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LlamaMLP.forward_normed, which the decoder layer calls, takes silu(gate) * up from the
+    kernel's epilogue at the rows the kernel serves (2-256), and the separate SiLU-and-mul
+    elsewhere; both agree with a float64 reference, and with $MINIVLLM_HOPPER_GEMM_SILU_MUL=0's path."""
+    hopper_gemm = _gemm()
+    from types import SimpleNamespace
+
+    from minivllm.worker.models.llama import LlamaMLP, RMSNorm
+
+    torch.manual_seed(rows)
+    hidden, inter = 256, 384
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inter, hidden_act="silu"))
+    norm = RMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(torch.randn(2 * inter, hidden) / hidden**0.5)
+        mlp.down_proj.weight.copy_(torch.randn(hidden, inter) / inter**0.5)
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden))
+    mlp, norm = mlp.to("cuda", torch.bfloat16), norm.to("cuda", torch.bfloat16)
+    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+
+    fused_calls = []
+    linear = hopper_gemm.linear
+
+    def counting_linear(*args, silu_mul: bool = False, **kwargs):
+        fused_calls.append(silu_mul)
+        return linear(*args, silu_mul=silu_mul, **kwargs)
+
+    monkeypatch.setattr(hopper_gemm, "linear", counting_linear)
+    with torch.no_grad():
+        out, summed = mlp.forward_normed(x, residual.clone(), norm)
+        assert (True in fused_calls) == (2 <= rows <= 256), fused_calls
+        monkeypatch.setattr(hopper_gemm, "SILU_MUL", False)
+        fused_calls.clear()
+        unfused, _ = mlp.forward_normed(x, residual.clone(), norm)
+        assert True not in fused_calls
+
+    ref_summed = x.double() + residual.double()
+    torch.testing.assert_close(summed.double(), ref_summed, rtol=2**-8, atol=0)
+    normed = ref_summed * torch.rsqrt(ref_summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    gate, up = (normed @ mlp.gate_up_proj.weight.double().T).split(inter, dim=-1)
+    ref = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.double().T
+    assert _relative_error(out, ref) < 1e-2
+    assert _relative_error(unfused, ref) < 1e-2

@@ -242,7 +242,21 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        activated = self.gate_up_proj.silu_mul(x)  # (None where no kernel fuses it)
+        if activated is not None:
+            return self.down_proj(activated)
         return self.down_proj(self.gate_up_proj(x), gated=True)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this MLP of norm(x + residual), x + residual): the decoder layer's second half, with the
+        norm run together with gate|up (ColumnParallelLinear.forward_normed), or gate|up together
+        with SiLU-and-mul where one kernel does both (silu_mul)."""
+        if self.gate_up_proj.fuses_silu_mul(x):
+            normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
+            return self.down_proj(self.gate_up_proj.silu_mul(normed)), residual
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj(gate_up, gated=True), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -274,8 +288,7 @@ class LlamaDecoderLayer(nn.Module):
             if not hidden_states.shape[0]:
                 return hidden_states, hidden_states
             residual = residual[output_rows.indices]
-        gate_up, residual = self.mlp.gate_up_proj.forward_normed(hidden_states, residual, self.post_attention_layernorm)
-        return self.mlp.down_proj(gate_up, gated=True), residual
+        return self.mlp.forward_normed(hidden_states, residual, self.post_attention_layernorm)
 
 
 # ---------------------------------------------------------------- the model

@@ -96,6 +96,19 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return projection(x, self.weight, self.bias, self.packed_weight)
 
+    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether silu_mul(x) takes silu(gate) * up of this fused gate|up layer from one kernel:
+        the Hopper kernel's epilogue, where it serves this product (worker/hopper_gemm.py)."""
+        return (hopper_gemm.SILU_MUL and self.packed_weight is None
+                and hopper_gemm.supports(x, self.weight, self.bias))
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a fused gate|up layer where one kernel does it (fuses_silu_mul); None
+        elsewhere: the caller projects, then runs SiLU-and-mul."""
+        if self.fuses_silu_mul(x):
+            return hopper_gemm.linear(x, self.weight, silu_mul=True)
+        return None
+
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """This projection of norm(x + residual) (of norm(x) without a residual), and x + residual:
