@@ -242,9 +242,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        activated = self.gate_up_proj.silu_mul(x)  # (None where no kernel fuses it)
-        if activated is not None:
-            return self.down_proj(activated)
+        if self.gate_up_proj.fuses_silu_mul(x):
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         return self.down_proj(self.gate_up_proj(x), gated=True)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
@@ -254,7 +253,7 @@ class LlamaMLP(nn.Module):
         with SiLU-and-mul where one kernel does both (silu_mul)."""
         if self.gate_up_proj.fuses_silu_mul(x):
             normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
-            return self(normed), residual
+            return self.down_proj(self.gate_up_proj.silu_mul(normed)), residual
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj(gate_up, gated=True), residual
 

@@ -102,12 +102,10 @@ class ColumnParallelLinear(nn.Module):
         return (hopper_gemm.SILU_MUL and self.packed_weight is None
                 and hopper_gemm.supports(x, self.weight, self.bias))
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a fused gate|up layer where one kernel does it (fuses_silu_mul); None
-        elsewhere: the caller projects, then runs SiLU-and-mul."""
-        if self.fuses_silu_mul(x):
-            return hopper_gemm.linear(x, self.weight, silu_mul=True)
-        return None
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused gate|up layer, from one kernel: only where fuses_silu_mul(x)
+        holds (elsewhere the caller projects, then runs SiLU-and-mul)."""
+        return hopper_gemm.linear(x, self.weight, silu_mul=True)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
