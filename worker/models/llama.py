@@ -252,7 +252,7 @@ class LlamaMLP(nn.Module):
         norm run together with gate|up (ColumnParallelLinear.forward_normed), or gate|up together
         with SiLU-and-mul where one kernel does both (silu_mul)."""
         if self.gate_up_proj.fuses_silu_mul(x):
-            normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
+            normed, residual = ops.add_rms_norm(x, norm.weight, norm.eps, residual)
             return self.down_proj(self.gate_up_proj.silu_mul(normed)), residual
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj(gate_up, gated=True), residual

@@ -114,9 +114,7 @@ class ColumnParallelLinear(nn.Module):
         (small_batch_gemm.norm_linear); `norm` is an RMSNorm (its weight, its eps)."""
         if small_batch_gemm.supports(x, self.weight):  # (never with a packed weight: self.weight is None)
             return small_batch_gemm.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        if residual is None:
-            return self(norm(x)), x
-        normed, residual = norm(x, residual)
+        normed, residual = ops.add_rms_norm(x, norm.weight, norm.eps, residual)  # (x itself without a residual)
         return self(normed), residual
 
     def pack_for_cpu(self) -> None:
