@@ -97,6 +97,10 @@ CASES = {
     "decode-256x700": [[(700, 1)] * 256],
     # the 256-request workload's decode steps: contexts from 100 to 1280 tokens, in arrival order
     "decode-256xragged": [[(int(n), 1) for n in np.random.default_rng(0).integers(100, 1280, 256)]],
+    # nano-vllm's workload (outputs of 100-1,024 tokens) mid-run and late: the sequences still running
+    # at its 450th and 750th decode step, each its prompt (100-1,024 tokens) plus that many
+    "decode-170xnano450": [[(int(n) + 450, 1) for n in np.random.default_rng(1).integers(100, 1025, 170)]],
+    "decode-80xnano750": [[(int(n) + 750, 1) for n in np.random.default_rng(2).integers(100, 1025, 80)]],
     "decode-32x4096": [[(4096, 1)] * 32],
     "decode-4x16384": [[(16384, 1)] * 4],
 }
@@ -156,6 +160,9 @@ def main() -> None:
                              "(max_num_seqs + 1); 0: no padding")
     parser.add_argument("--splits", type=int, help="prefill: the most programs sharing a context (default: the "
                                                     "engine's rule, metadata.step_splits_contexts)")
+    parser.add_argument("--decode-splits", type=int,
+                        help="decode: split each sequence's keys this many ways (default: the engine's rule, "
+                             "triton_attention.num_kv_splits)")
     parser.add_argument("--block-order", default="scattered", choices=BLOCK_ORDERS,
                         help="how each sequence's cache blocks lie: scattered at random (as after a while of serving), "
                              "consecutive ids ascending (a fresh engine) or descending (a recycled pool), or shuffled "
@@ -185,8 +192,8 @@ def main() -> None:
 
         def run(tiles):
             for q, cache, md, k, v in steps:
-                if isinstance(tiles, DecodeConfig):
-                    decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles)
+                if decode:
+                    decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, num_splits=args.decode_splits)
                 else:  # as the model calls it: the chunk's own keys from k and v, unless --cache-only
                     fresh = {} if args.cache_only else dict(key=k, value=v)
                     paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, num_splits=args.splits, **fresh)
