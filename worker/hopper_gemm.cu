@@ -211,6 +211,21 @@ constexpr int max_stages() {
   return stages;
 }
 
+// The 256 consumer threads store a staged tile ([token][COLS bf16], ROW_BYTES apart) into y's rows
+// from first_token on, in 16-byte pieces; tokens past num_tokens are skipped.
+template <int BT, int COLS, int ROW_BYTES>
+__device__ __forceinline__ void store_tile(const uint8_t* stage, __nv_bfloat16* y, const Params& p, int first_token) {
+  constexpr int kPieces = COLS / 8;
+#pragma unroll
+  for (int i = threadIdx.x - 128; i < BT * kPieces; i += 256) {
+    const int t = i / kPieces, piece = i % kPieces;
+    if (first_token + t < p.num_tokens) {
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + t * ROW_BYTES + piece * 16);
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(first_token + t) * p.y_stride + piece * 8) = v;
+    }
+  }
+}
+
 template <int BT, int SW, bool GATED>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map, const Params p) {
@@ -344,15 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           __float2bfloat16_rn(__fdividef(gate, 1.f + __expf(-gate)) * up);
     }
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    __nv_bfloat16* y = p.y + row_tile * (kRows / 2);
-#pragma unroll
-    for (int i = threadIdx.x - 128; i < BT * 4; i += 256) {
-      const int t = i / 4, piece = i % 4;
-      if (first_token + t < p.num_tokens) {
-        const uint4 v = *reinterpret_cast<const uint4*>(gated_stage + t * L::kGatedOutRowBytes + piece * 16);
-        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(first_token + t) * p.y_stride + piece * 8) = v;
-      }
-    }
+    store_tile<BT, kRows / 2, L::kGatedOutRowBytes>(gated_stage, p.y + row_tile * (kRows / 2), p, first_token);
     return;
   }
   if (consumer == 0) {
@@ -371,15 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  __nv_bfloat16* y = p.y + row_tile * kRows;
-#pragma unroll
-  for (int i = threadIdx.x - 128; i < BT * 8; i += 256) {
-    const int t = i / 8, piece = i % 8;
-    if (first_token + t < p.num_tokens) {
-      const uint4 v = *reinterpret_cast<const uint4*>(out_stage + t * kOutRowBytes + piece * 16);
-      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(first_token + t) * p.y_stride + piece * 8) = v;
-    }
-  }
+  store_tile<BT, kRows, kOutRowBytes>(out_stage, p.y + row_tile * kRows, p, first_token);
 }
 
 // A 2-D map over [rows, cols] bf16 (row stride in elements), read in boxes of box_rows x 64 cols
