@@ -37,7 +37,7 @@ TIMED = [(model_runner.ModelRunner, "run_step"), (model_runner.ModelRunner, "_up
          (input_batch.InputBatch, "prepare"), (step_buffers.StepBuffers, "load"),
          (model_runner.ModelRunner, "_patch_pending_inputs"), (torch.cuda.CUDAGraph, "replay"),
          (model_runner.ModelRunner, "_sample"), (sampler.Sampler, "sample_rows"),
-         (fused_sampling, "gumbel_max_sample"), (model_runner.ModelRunner, "finish_pending"),
+         (fused_sampling, "fused_sample"), (model_runner.ModelRunner, "finish_pending"),
          (input_batch.InputBatch, "append_pending"), (cuda_graphs.StepGraphs, "run")]
 
 

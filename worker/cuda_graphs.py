@@ -23,7 +23,7 @@ them to its bucket and replays one graph:
                   would replay the smallest mixed graph, padded to max_num_seqs + 1 sequences.
 
 Sampling graphs: a decode bucket also gets a second, small graph that runs the LM head over the
-forward graph's hidden states and samples every row with the fused Gumbel-max kernel
+forward graph's hidden states and samples every row with the fused sampler's two kernels
 (worker/fused_sampling.py), reading the rows' temperatures and Philox seeds from persistent buffers
 and writing their tokens to another (StepBuffers.sampled). A decode step whose rows all sample
 plainly (greedy or temperature only; no top-k/top-p/min-p, logits processors or logprobs) replays

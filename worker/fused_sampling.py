@@ -1,16 +1,21 @@
-"""One-kernel sampling on CUDA for the rows that need no top-k/top-p: greedy or plain temperature.
+"""One-kernel-pair sampling on CUDA for the rows that need no top-k/top-p: greedy or plain temperature.
 
-Gumbel-max: argmax_i(logits_i / T + G_i), G_i = -log(-log U_i) with U_i uniform, picks token i with
-probability softmax(logits / T)_i, so a single pass over the logits samples exactly, with no
-softmax, no fp32 copy and no noise tensor in memory. The random bits come from Triton's
-counter-based Philox generator keyed by (row seed, vocabulary position), each call giving four
-positions' worth: a request with a `seed` gets row seeds derived from its seed and its token count,
-so its tokens do not depend on the rest of the batch. Temperature 0 rows take the plain argmax.
+A row is sampled by inverting its CDF: with p = softmax(logits / T), the token is the first i whose
+cumulative probability p_0 + ... + p_i exceeds a uniform U. That takes one random number per row.
+The Gumbel-max sampler this replaced (argmax of logits / T plus Gumbel noise) drew one per
+vocabulary position, and computing that noise, not reading the logits, was its cost: ~85 us for 256
+rows of a 152k vocabulary on an H100 (benchmarks/sampler_kernels.py has it for comparison).
 
-Computing the noise, not reading the logits, is this kernel's cost: with one Philox call per
-position and libdevice's logs it took 203 us for 256 rows of a 152k vocabulary on an H100 (a
-decode step of that batch is ~5.5-9 ms); one call per four positions and the hardware's log2
-approximation take it to ~85 us (benchmarks/RESULTS.md).
+Two kernels, so that a row's vocabulary is read by many programs side by side:
+- per (row, chunk of the vocabulary): the chunk's largest scaled logit m and its mass
+  sum(exp2(s - m)), s = logit * log2(e) / T (an online softmax over the chunk's blocks), or, for
+  a greedy row, its largest logit and where it is;
+- per row: the chunks' masses on one scale, U times their total, the chunk where the cumulative
+  mass passes that, then that chunk's logits again (4,096 of them) to find the token.
+A row's random number comes from Triton's counter-based Philox generator keyed by the row's seed:
+a request with a `seed` gets row seeds derived from its seed and its token count, so its tokens do
+not depend on the rest of the batch. Temperature 0 rows take the plain argmax (the earliest on a
+tie). NaN logits count as -inf (no mass); so do masked ones (-inf from logits processors).
 """
 
 from __future__ import annotations
@@ -24,142 +29,131 @@ SEED_MODULUS = 2**31 - 1
 
 
 @triton.jit
-def _fast_log2(x):
-    """lg2.approx.f32: log2 to ~2^-22 absolute, a fraction of libdevice's instructions."""
-    return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _gumbel_log2(bits):
-    """G / ln 2 for a Gumbel G = -ln(E), E = -ln(U) ~ Exp(1), from 32 random bits.
-
-    The largest noise comes from the smallest E, so E is made accurate in relative terms there:
-    with V = 1 - U taken straight from the bits (fine-grained near 0), E = -ln(1 - V) is V's
-    series while V is small, where 1 - V would round away V's low bits, and the log elsewhere.
-    """
-    v = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
-    series = v * (1.0 + v * (0.5 + v * 0.33333334))  # -ln(1 - v) to ~v^3/4 relative below 2^-6
-    e = tl.where(v < 0.015625, series, -0.6931471805599453 * _fast_log2(1.0 - v))
-    return -_fast_log2(e)
-
-
-@triton.jit
-def _block_best(logits_row, start, vocab_size, BLOCK: tl.constexpr):
-    """The largest logit among positions start .. start + BLOCK - 1 of a row, and its position (the
-    earliest on a tie): a greedy row's share of a block."""
+def _scaled_block(logits_row, start, scale, vocab_size, BLOCK: tl.constexpr):
+    """Positions start .. start + BLOCK - 1 of a row and their logits times `scale` in float32
+    (past the vocabulary, and NaN: -inf)."""
     offs = start + tl.arange(0, BLOCK)
-    x = tl.load(logits_row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-    return tl.max(x, axis=0), start + tl.argmax(x, axis=0, tie_break_left=True)
+    x = tl.load(logits_row + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+    return offs, tl.where(x == x, x, float("-inf"))
 
 
 @triton.jit
-def _noisy_block_best(logits_row, start, seed, scale, vocab_size, BLOCK: tl.constexpr):
-    """The best Gumbel-perturbed score (base 2: logit * scale + G / ln 2, scale = log2(e) / T) among
-    positions start .. start + BLOCK - 1 of a row, and its position (the earliest on a tie, which
-    noise makes all but impossible). One Philox call gives four draws, so the block is taken as four
-    quarters, each with one of the four; the counter is unique per position of the row."""
-    QUARTER: tl.constexpr = BLOCK // 4
-    j = tl.arange(0, QUARTER)
-    bits0, bits1, bits2, bits3 = tl.randint4x(seed, start // 4 + j)
-    offs0 = start + j
-    offs1 = offs0 + QUARTER
-    offs2 = offs1 + QUARTER
-    offs3 = offs2 + QUARTER
-    # (out-of-vocabulary positions load -inf and stay -inf: the noise is finite)
-    s0 = tl.load(logits_row + offs0, mask=offs0 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-        + _gumbel_log2(bits0)
-    s1 = tl.load(logits_row + offs1, mask=offs1 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-        + _gumbel_log2(bits1)
-    s2 = tl.load(logits_row + offs2, mask=offs2 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-        + _gumbel_log2(bits2)
-    s3 = tl.load(logits_row + offs3, mask=offs3 < vocab_size, other=float("-inf")).to(tl.float32) * scale \
-        + _gumbel_log2(bits3)
-    best = tl.maximum(tl.maximum(tl.max(s0, axis=0), tl.max(s1, axis=0)),
-                      tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
-    past = vocab_size + BLOCK
-    index = tl.minimum(tl.minimum(tl.min(tl.where(s0 == best, offs0, past), axis=0),
-                                  tl.min(tl.where(s1 == best, offs1, past), axis=0)),
-                       tl.minimum(tl.min(tl.where(s2 == best, offs2, past), axis=0),
-                                  tl.min(tl.where(s3 == best, offs3, past), axis=0)))
-    return best, index
-
-
-@triton.jit
-def _gumbel_max_chunk_kernel(logits_ptr, stride_row, rows_ptr, temperature_ptr, seeds_ptr,
-                             chunk_score_ptr, chunk_index_ptr, vocab_size, num_chunks,
-                             CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (i, c): the best Gumbel-perturbed score of row i within vocabulary chunk c (base-2
-    units, _noisy_block_best; temperature-0 rows: the plain logits)."""
+def _chunk_mass_kernel(logits_ptr, stride_row, rows_ptr, temperature_ptr, chunk_max_ptr, chunk_mass_ptr,
+                       chunk_index_ptr, vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (i, c), row i's vocabulary chunk c: its largest scaled logit m (base 2, log2(e) / T
+    times the logit) and its mass sum(exp2(s - m)); for a greedy row its largest logit and that
+    logit's position (the earliest on a tie)."""
     i = tl.program_id(0)
     chunk = tl.program_id(1)
     row = tl.load(rows_ptr + i)
     temperature = tl.load(temperature_ptr + i)
-    seed = tl.load(seeds_ptr + i)
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
-    best_score = float("-inf")
-    best_index = 0
-    # (ties keep the earlier index, as one pass over the row would)
+    best = float("-inf")
     if temperature == 0.0:
+        best_index = 0
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            block_best, block_index = _block_best(logits_row, start, vocab_size, BLOCK)
-            better = block_best > best_score
-            best_index = tl.where(better, block_index, best_index)
-            best_score = tl.where(better, block_best, best_score)
+            offs, x = _scaled_block(logits_row, start, 1.0, vocab_size, BLOCK)
+            block_best = tl.max(x, axis=0)
+            better = block_best > best  # (a tie keeps the earlier block's)
+            best_index = tl.where(better, start + tl.argmax(x, axis=0, tie_break_left=True), best_index)
+            best = tl.where(better, block_best, best)
+        tl.store(chunk_index_ptr + i * num_chunks + chunk, best_index)
     else:
         scale = 1.4426950408889634 / temperature
+        mass = 0.0
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            block_best, block_index = _noisy_block_best(logits_row, start, seed, scale, vocab_size, BLOCK)
-            better = block_best > best_score
-            best_index = tl.where(better, block_index, best_index)
-            best_score = tl.where(better, block_best, best_score)
-    tl.store(chunk_score_ptr + i * num_chunks + chunk, best_score)
-    tl.store(chunk_index_ptr + i * num_chunks + chunk, best_index)
+            offs, s = _scaled_block(logits_row, start, scale, vocab_size, BLOCK)
+            new_best = tl.maximum(best, tl.max(s, axis=0))
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # nothing live yet: no mass either
+            mass = mass * tl.math.exp2(best - shift) + tl.sum(tl.math.exp2(s - shift), axis=0)
+            best = new_best
+        tl.store(chunk_mass_ptr + i * num_chunks + chunk, mass)
+    tl.store(chunk_max_ptr + i * num_chunks + chunk, best)
 
 
 @triton.jit
-def _best_chunk_kernel(chunk_score_ptr, chunk_index_ptr, rows_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr):
-    """Program i: row i's token is the best of its chunks' bests (the earliest on a tie)."""
+def _pick_kernel(logits_ptr, stride_row, rows_ptr, temperature_ptr, seeds_ptr, chunk_max_ptr, chunk_mass_ptr,
+                 chunk_index_ptr, out_ptr, vocab_size, num_chunks, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Program i: row i's token. Greedy: the chunk with the largest logit (the earliest on a tie),
+    and its position there. Sampled: U in [0, 1) from the row's seed, target = U x the row's mass;
+    the first chunk whose cumulative mass passes it, then the first position in that chunk whose
+    cumulative probability passes what is left of it. (Rounding may leave the target at or past a
+    chunk's own sum: then the chunk's last live position.)"""
     i = tl.program_id(0)
-    offs = tl.arange(0, CHUNKS)
-    scores = tl.load(chunk_score_ptr + i * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
-    best = tl.argmax(scores, axis=0, tie_break_left=True)
-    tl.store(out_ptr + tl.load(rows_ptr + i), tl.load(chunk_index_ptr + i * num_chunks + best))
+    row = tl.load(rows_ptr + i)
+    temperature = tl.load(temperature_ptr + i)
+    chunks = tl.arange(0, CHUNKS)
+    valid = chunks < num_chunks
+    maxes = tl.load(chunk_max_ptr + i * num_chunks + chunks, mask=valid, other=float("-inf"))
+    if temperature == 0.0:
+        best = tl.argmax(maxes, axis=0, tie_break_left=True)
+        token = tl.load(chunk_index_ptr + i * num_chunks + best)
+    else:
+        top = tl.max(maxes, axis=0)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        masses = tl.load(chunk_mass_ptr + i * num_chunks + chunks, mask=valid, other=0.0) * tl.math.exp2(maxes - shift)
+        bits = tl.randint(tl.load(seeds_ptr + i), i * 0).to(tl.uint32, bitcast=True)  # counter 0
+        uniform = (bits >> 8).to(tl.float32) * 5.960464477539063e-08  # 24 bits: [0, 1 - 2^-24]
+        target = uniform * tl.sum(masses, axis=0)
+        passed = (tl.cumsum(masses, axis=0) > target) & (masses > 0.0)
+        live = tl.max(tl.where(masses > 0.0, chunks, 0), axis=0)
+        chunk = tl.minimum(tl.min(tl.where(passed, chunks, CHUNKS), axis=0), live)
+        left = tl.maximum(target - tl.sum(tl.where(chunks < chunk, masses, 0.0), axis=0), 0.0)
+        scale = 1.4426950408889634 / temperature
+        logits_row = logits_ptr + row.to(tl.int64) * stride_row
+        past = vocab_size + CHUNK
+        token = past
+        last_live = 0
+        below = 0.0  # the chunk's mass before this block
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            offs, s = _scaled_block(logits_row, start, scale, vocab_size, BLOCK)
+            p = tl.math.exp2(s - shift)
+            hit = (below + tl.cumsum(p, axis=0) > left) & (p > 0.0)
+            token = tl.minimum(token, tl.min(tl.where(hit, offs, past), axis=0))
+            last_live = tl.maximum(last_live, tl.max(tl.where(p > 0.0, offs, 0), axis=0))
+            below += tl.sum(p, axis=0)
+        token = tl.where(token == past, last_live, token).to(tl.int64)
+    tl.store(out_ptr + row, token)
 
 
-# One program per row walking a 152k vocabulary took ~150 us at batch 1 (one SM busy); chunks of
-# the row run side by side, and a second tiny kernel picks each row's best. (H100, 152k vocabulary,
-# temperature 1: 4,096-wide chunks 7.3 us at 1 row against 11.1 at 8,192; the same at 256 rows.)
+# A row's vocabulary in chunks, side by side: one program per row walking a 152k vocabulary took
+# ~150 us at batch 1 (one SM busy). (H100, 152k vocabulary: 4,096-wide chunks 7.3 us at 1 row
+# against 11.1 at 8,192, measured with the Gumbel-max kernel this replaced.)
 _CHUNK = 4096
 _BLOCK = 2048
 
 
-def gumbel_max_sample(logits: torch.Tensor, rows: np.ndarray, temperature: np.ndarray, seeds: np.ndarray,
-                      out: torch.Tensor) -> None:
+def fused_sample(logits: torch.Tensor, rows: np.ndarray, temperature: np.ndarray, seeds: np.ndarray,
+                 out: torch.Tensor) -> None:
     """Sample out[rows] from logits[rows] (any float dtype) at their temperatures."""
     device = logits.device
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
-    gumbel_max_sample_on_device(logits, to_device(rows.astype(np.int64)), to_device(temperature.astype(np.float32)),
-                                to_device(seeds.astype(np.int64)), out)
+    fused_sample_on_device(logits, to_device(rows.astype(np.int64)), to_device(temperature.astype(np.float32)),
+                           to_device(seeds.astype(np.int64)), out)
 
 
-def gumbel_max_sample_on_device(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
-                                seeds: torch.Tensor, out: torch.Tensor) -> None:
-    """gumbel_max_sample with its per-row arguments already on the device (int64 rows and seeds,
+def fused_sample_on_device(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+                           seeds: torch.Tensor, out: torch.Tensor) -> None:
+    """fused_sample with its per-row arguments already on the device (int64 rows and seeds,
     float32 temperatures): no host work but the two launches, so a CUDA graph can hold it."""
     vocab_size = logits.shape[1]
     num_chunks = triton.cdiv(vocab_size, _CHUNK)
     num_rows = rows.shape[0]
-    chunk_scores = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.float32)
-    chunk_indices = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.int64)
-    _gumbel_max_chunk_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), rows, temperature, seeds, chunk_scores, chunk_indices, vocab_size, num_chunks,
+    chunk_max = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.float32)
+    chunk_mass = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.float32)
+    chunk_index = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.int64)
+    _chunk_mass_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), rows, temperature, chunk_max, chunk_mass, chunk_index, vocab_size, num_chunks,
         CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
     )
-    _best_chunk_kernel[(num_rows,)](chunk_scores, chunk_indices, rows, out, num_chunks,
-                                    CHUNKS=triton.next_power_of_2(num_chunks))
+    _pick_kernel[(num_rows,)](
+        logits, logits.stride(0), rows, temperature, seeds, chunk_max, chunk_mass, chunk_index, out, vocab_size,
+        num_chunks, CHUNKS=triton.next_power_of_2(num_chunks), CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
+    )
 
 
 def row_seeds(request_seeds: np.ndarray, num_tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -291,12 +291,12 @@ class ModelRunner:
     def _graph_sample(self, hidden_states: torch.Tensor) -> None:
         """What a sampling graph captures: the LM head over every row of a decode bucket, then the
         fused sampler, its per-row inputs and its output in the step buffers."""
-        from minivllm.worker.fused_sampling import gumbel_max_sample_on_device
+        from minivllm.worker.fused_sampling import fused_sample_on_device
 
         n, b = hidden_states.shape[0], self.buffers
         views = b.views(n, n)  # a decode bucket's layout: n tokens of n sequences
-        gumbel_max_sample_on_device(self.model.compute_logits(hidden_states), b.sample_rows[:n], views.temperature,
-                                    views.sample_seeds, b.sampled)
+        fused_sample_on_device(self.model.compute_logits(hidden_states), b.sample_rows[:n], views.temperature,
+                               views.sample_seeds, b.sampled)
 
     def _samples_in_graph(self, step: StepInputs) -> bool:
         """Whether a step can sample in a graph: a decode bucket's step whose every token samples,

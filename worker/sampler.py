@@ -90,13 +90,13 @@ class Sampler:
         """The CUDA path: rows with no top-k/top-p go through one fused kernel
         (worker/fused_sampling.py, `seeds` are its per-row Philox seeds); the others through
         the torch ops below. Each row's tokens depend only on its own settings and seed."""
-        from minivllm.worker.fused_sampling import gumbel_max_sample
+        from minivllm.worker.fused_sampling import fused_sample
 
         filtered = filtered_rows(temperature, top_k, top_p, min_p)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         plain = np.flatnonzero(~filtered)
         if len(plain):
-            gumbel_max_sample(logits, plain, temperature[plain], seeds[plain], out)
+            fused_sample(logits, plain, temperature[plain], seeds[plain], out)
         rows = np.flatnonzero(filtered)
         if len(rows):
             metadata = SamplingMetadata.from_arrays(temperature[rows], top_k[rows], top_p[rows],
