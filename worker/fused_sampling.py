@@ -1,4 +1,4 @@
-"""One-kernel-pair sampling on CUDA for the rows that need no top-k/top-p: greedy or plain temperature.
+"""Fused sampling on CUDA, in two kernels, for the rows that need no top-k/top-p: greedy or plain temperature.
 
 A row is sampled by inverting its CDF: with p = softmax(logits / T), the token is the first i whose
 cumulative probability p_0 + ... + p_i exceeds a uniform U. That takes one random number per row.
