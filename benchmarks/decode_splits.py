@@ -14,38 +14,15 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.gpu, benchmarks
 
+from benchmarks.graph_timing import graph_time_us
 from minivllm.worker.attention.triton_attention import decode_attention
 from tests.gpu.test_triton_attention import make_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
-
-
-def graph_time_us(fn, calls: int = 50) -> float:
-    """Median time of one fn() among `calls` captured back to back in a graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (compiles) off the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(13):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return float(np.median(times[3:]))
 
 
 def main() -> None:
@@ -64,9 +41,10 @@ def main() -> None:
             cells = []
             for splits in map(int, args.splits.split(",")):
                 error = (decode_attention(q, cache, metadata, scale, num_splits=splits).float() - reference).abs().max()
-                us = graph_time_us(lambda: decode_attention(q, cache, metadata, scale, out=out, num_splits=splits))
+                us = graph_time_us(lambda: decode_attention(q, cache, metadata, scale, out=out, num_splits=splits),
+                                   calls=50)
                 cells.append(f"{splits}: {us:5.2f}" + ("" if error < 2e-2 else f" (off by {error:.3f})"))
-            default = graph_time_us(lambda: decode_attention(q, cache, metadata, scale, out=out))
+            default = graph_time_us(lambda: decode_attention(q, cache, metadata, scale, out=out), calls=50)
             print(f"batch {batch:3d}, context {context:5d}: us per call by splits  " + "  ".join(cells)
                   + f"  | default {default:5.2f}", flush=True)
 

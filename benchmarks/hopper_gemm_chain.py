@@ -12,40 +12,19 @@ fused. A result more than 5e-3 (relative) from an fp32 product is marked BAD.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for benchmarks.graph_timing
+
+from benchmarks.graph_timing import graph_time_us
 from minivllm.worker import hopper_gemm, ops
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 LAYERS = 28
 WEIGHT_COPIES = 8
-
-
-def graph_time_us(fn, reps: int = 25) -> float:
-    """Median time of one replay of a CUDA graph of fn, us."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -8,11 +8,17 @@ vocabulary in a CUDA graph, and how often each draws each of a few live tokens a
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for benchmarks.graph_timing
+
+from benchmarks.graph_timing import graph_time_us
 from minivllm.worker.fused_sampling import fused_sample_on_device
 
 # ---------------------------------------------------------------- the Gumbel-max sampler it replaced
@@ -132,24 +138,6 @@ def gumbel_max_sample_on_device(logits, rows, temperature, seeds, out, chunk: in
     _best_chunk_kernel[(len(rows),)](scores, indices, rows, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks))
 
 
-def graph_us(fn, replays: int = 200) -> float:
-    """Microseconds a call, from a CUDA graph of 20 calls (as the engine's sampling graphs run it)."""
-    fn()  # compiled before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays // 20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
 # ---------------------------------------------------------------- the comparison
 
 
@@ -168,8 +156,8 @@ def main() -> None:
             gumbel_max_sample_on_device(logits, rows, temperature, seeds, old)
             fused_sample_on_device(logits, rows, temperature, seeds, new)
             same = str(bool((old == new).all())) if value == 0.0 else "-"
-            t_old = graph_us(lambda: gumbel_max_sample_on_device(logits, rows, temperature, seeds, old))
-            t_new = graph_us(lambda: fused_sample_on_device(logits, rows, temperature, seeds, new))
+            t_old = graph_time_us(lambda: gumbel_max_sample_on_device(logits, rows, temperature, seeds, old), calls=20)
+            t_new = graph_time_us(lambda: fused_sample_on_device(logits, rows, temperature, seeds, new), calls=20)
             print(f"{batch:>5} {label:>12} {same:>13} {t_old:>11.1f} {t_new:>8.1f}")
     # Both against softmax: 8 live tokens (the rest of a 152k row far below), 200k draws each.
     torch.manual_seed(0)

@@ -9,29 +9,28 @@ With --chain: a whole step's projections at one row, per tiling, with and withou
 
 from __future__ import annotations
 
+import itertools
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 import triton.testing
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for benchmarks.graph_timing
+
+from benchmarks.graph_timing import graph_time_us
 from minivllm.worker import ops, small_batch_gemm
 
 # (N, K) of Qwen3-0.6B: qkv, o, gate|up, down, LM head
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
 
 
-def graph_time_us(fn, weights: list[torch.Tensor], calls: int = 24) -> float:
-    """Per call, inside a CUDA graph of `calls` back-to-back calls (as a decode step runs them),
-    rotating over the weights so L2 does not serve the reads."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for w in weights:
-            fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(weights[i % len(weights)])
-    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / calls
+def rotating_time_us(fn, weights: list[torch.Tensor], calls: int = 24) -> float:
+    """Per call of fn(w), inside a CUDA graph of `calls` back-to-back calls (as a decode step runs
+    them), rotating over the weights so L2 does not serve the reads."""
+    rotation = itertools.cycle(weights)
+    return graph_time_us(lambda: fn(next(rotation)), calls=calls)
 
 
 def main() -> None:
@@ -47,8 +46,8 @@ def main() -> None:
             out = small_batch_gemm.linear(x, weights[0], bias)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2 and not out.isnan().any(), (n, k, m, err)
-            cublas = graph_time_us(lambda w: F.linear(x, w), weights)
-            gemv = graph_time_us(lambda w: small_batch_gemm.linear(x, w), weights)
+            cublas = rotating_time_us(lambda w: F.linear(x, w), weights)
+            gemv = rotating_time_us(lambda w: small_batch_gemm.linear(x, w), weights)
             nbytes = n * k * 2
             print(f"{n:>7}x{k:<6} {m:>4} {err:9.1e} {cublas:10.1f} {nbytes / cublas / 1e3:6.0f} {gemv:8.1f} "
                   f"{nbytes / gemv / 1e3:6.0f}")
@@ -63,14 +62,14 @@ def fused() -> None:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(8)]
         if gated:
             gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-            two = graph_time_us(lambda w: small_batch_gemm.linear(ops.silu_and_mul(gate_up), w), weights)
-            one = graph_time_us(lambda w: small_batch_gemm.silu_mul_linear(gate_up, w), weights)
+            two = rotating_time_us(lambda w: small_batch_gemm.linear(ops.silu_and_mul(gate_up), w), weights)
+            one = rotating_time_us(lambda w: small_batch_gemm.silu_mul_linear(gate_up, w), weights)
         else:
             x, residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16), torch.randn(1, k, device="cuda",
                                                                                              dtype=torch.bfloat16)
             g = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-            two = graph_time_us(lambda w: small_batch_gemm.linear(ops.add_rms_norm(x, g, 1e-6, residual)[0], w), weights)
-            one = graph_time_us(lambda w: small_batch_gemm.norm_linear(x, residual, g, 1e-6, w)[0], weights)
+            two = rotating_time_us(lambda w: small_batch_gemm.linear(ops.add_rms_norm(x, g, 1e-6, residual)[0], w), weights)
+            one = rotating_time_us(lambda w: small_batch_gemm.norm_linear(x, residual, g, 1e-6, w)[0], weights)
         print(f"{n:>7}x{k:<6} {'silu*mul' if gated else 'add+rmsnorm':>12} {two:15.1f} {one:9.1f}")
 
 
@@ -91,13 +90,13 @@ def sweep() -> None:
                     weights = x_for.setdefault((n, k), [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                                                         for _ in range(8)])
                     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-                    total += graph_time_us(lambda w: small_batch_gemm.linear(x, w), weights)
+                    total += rotating_time_us(lambda w: small_batch_gemm.linear(x, w), weights)
                 print(f"programs>={min_programs} chunk {per_chunk} warps {warps}: one layer's 4 projections "
                       f"{total:.1f} us")
     total = 0.0
     for n, k in SHAPES[:4]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        total += graph_time_us(lambda w: F.linear(x, w), x_for[(n, k)])
+        total += rotating_time_us(lambda w: F.linear(x, w), x_for[(n, k)])
     print(f"cuBLAS: one layer's 4 projections {total:.1f} us")
 
 
