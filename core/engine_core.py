@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec
@@ -46,7 +47,6 @@ from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.ipc import remove_ipc_file
 from minivllm.protocol.messages import (
     AbortRequests,
-    AddRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -61,7 +61,7 @@ from minivllm.protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
-from minivllm.protocol.serial import encode, engine_input_decoder, request_decoder
+from minivllm.protocol.serial import RawAddRequests, encode, engine_socket_decoder, request_decoder
 from minivllm.protocol.validation import (
     MAX_REQUEST_ID_LENGTH,
     WIRE_REQUEST_ID_OVERHEAD,
@@ -318,6 +318,16 @@ class _ClientGone:
 _CLIENT_GONE = _ClientGone()
 
 
+@dataclass
+class _BatchPart:
+    """Admitted requests of one batch (AddRequests), in order: a large batch reaches the busy loop
+    in parts of about a step's prompt tokens, so its first step starts while the socket thread
+    still reads the rest. `last`: the part that ends the batch."""
+
+    requests: list[EngineCoreRequest]
+    last: bool
+
+
 class RateLimitedLog:
     """At most `burst` lines per `interval_s` of one kind of complaint; the rest are counted and
     reported with the next line, so a flood of garbage cannot flood the log."""
@@ -386,6 +396,17 @@ class EngineCoreProc(EngineCore):
             "reset_prefix_cache": self.reset_prefix_cache,
         }
         self.peers: set[bytes] = set()  # identities heard from (the socket thread's)
+        # A batch of more prompt tokens than a step takes reaches the busy loop in parts
+        # (_BatchPart; 0: whole). Whenever the scheduler would look past a part's last request, it
+        # waits for the next part (_await_batch_part), so the steps are those of the whole batch.
+        # Not where a step's shape depends on the whole waiting queue: priority scheduling (the
+        # rest may come first) and pipeline parallelism (a batch's share of the waiting requests).
+        splits = config.scheduling_policy in ("fcfs", "v0") and config.pipeline_parallel_size == 1
+        self.batch_part_tokens = config.max_num_batched_tokens if splits else 0
+        self.batch_open = False  # (the busy loop's) a batch's first part is in, its last is not
+        self.deferred_inputs: deque[tuple[bytes, Any]] = deque()  # met while waiting for a part
+        if splits:
+            self.scheduler.await_more_requests = self._await_batch_part
         self.log_dropped = RateLimitedLog(logging.WARNING)
         self.log_rejected = RateLimitedLog(logging.WARNING)
         self.ctx = zmq.Context()
@@ -438,7 +459,12 @@ class EngineCoreProc(EngineCore):
             self.shutdown()
 
     def _process_input(self, block: bool) -> None:
-        """Handle everything that arrived; when idle, wait (checking the workers now and then)."""
+        """Handle everything that arrived; when idle, wait (checking the workers now and then). With
+        no step in flight, a batch's first part ends it: the step starts on it while the socket
+        thread reads the rest (the scheduler waits for what it needs of that)."""
+        while self.deferred_inputs:
+            self._handle(*self.deferred_inputs.popleft())
+            block = False
         while True:
             try:
                 identity, message = self.input_queue.get(block=block, timeout=_IDLE_WAIT_S if block else None)
@@ -450,6 +476,8 @@ class EngineCoreProc(EngineCore):
                     self.stats_logger.log(self.get_stats())
                 continue
             self._handle(identity, message)
+            if self.batch_open and not self.steps_in_flight:
+                return
             block = False
 
     def _handle(self, identity: bytes, message: Any) -> None:
@@ -460,9 +488,10 @@ class EngineCoreProc(EngineCore):
         self.clients.add(identity)
         if isinstance(message, EngineCoreRequest):
             self._handle_request(identity, message)
-        elif isinstance(message, AddRequests):  # (the admitted ones: all before the next step)
+        elif isinstance(message, _BatchPart):
             for request in message.requests:
                 self._handle_request(identity, request)
+            self.batch_open = not message.last
         elif isinstance(message, AbortRequests):
             # Finished and unknown ids are ignored. Not only the sending connection's own: a
             # frontend aborts through a second connection while another thread holds its first.
@@ -474,6 +503,24 @@ class EngineCoreProc(EngineCore):
         elif isinstance(message, Shutdown):
             logger.info("shutdown requested")
             self.stopping.set()
+
+    def _await_batch_part(self) -> bool:
+        """The scheduler's waiting queue ran out with room left in the step (Scheduler.
+        await_more_requests). If a batch is still coming in parts, wait for its next one, which the
+        socket thread is reading now, and add its requests. Other messages met on the way are
+        handled after this step is scheduled, in their order. Returns whether a part came."""
+        while self.batch_open:
+            try:
+                identity, message = self.input_queue.get(timeout=_IDLE_WAIT_S)
+            except queue.Empty:
+                if self.stopping.is_set() or not self.input_thread.is_alive():
+                    self.batch_open = False  # no part will come
+                continue
+            if isinstance(message, _BatchPart):
+                self._handle(identity, message)
+                return True
+            self.deferred_inputs.append((identity, message))
+        return False
 
     def _handle_request(self, identity: bytes, request: EngineCoreRequest) -> None:
         """An admitted request: into the scheduler, unless its id is live already."""
@@ -673,22 +720,42 @@ class EngineCoreProc(EngineCore):
             return
         identity, payload = frames
         try:
-            message = engine_input_decoder.decode(payload)
+            message = engine_socket_decoder.decode(payload)
         except Exception as e:  # msgspec.DecodeError / ValidationError, or worse for hostile bytes
-            raw = _decode_untyped(payload)
-            if _is_batch(raw):  # each request of a batch on its own
-                message = AddRequests(self._decode_batch(router, identity, raw["requests"]))
-            else:
-                self._refuse_undecodable(router, identity, raw, e)
-                return
+            self._refuse_undecodable(router, identity, _decode_untyped(payload), e)
+            return
+        if isinstance(message, RawAddRequests):
+            self._admit_batch(router, identity, message.requests)
+            return
         if isinstance(message, EngineCoreRequest) and not self._admit(router, identity, message):
             return
-        if isinstance(message, AddRequests):
-            message.requests = [r for r in message.requests if self._admit(router, identity, r)]
-            if not message.requests:
-                return
         self.peers.add(identity)
         self._enqueue(identity, message)
+
+    def _admit_batch(self, router: zmq.Socket, identity: bytes, items: list[msgspec.Raw]) -> None:
+        """A batch's requests, each decoded, checked and admitted (or answered) on its own, handed
+        to the busy loop in parts of at least batch_part_tokens prompt tokens, the last part
+        marked so (_BatchPart)."""
+        part: list[EngineCoreRequest] = []
+        part_tokens = 0
+        parts_sent = 0
+        for index, item in enumerate(items):
+            # Let the busy loop take the GIL whenever it wants it (a part to schedule, a step to
+            # send): else it waits out the interpreter's switch interval (5 ms) behind this loop.
+            time.sleep(0)
+            request = self._decode_batch_item(router, identity, item)
+            if request is None or not self._admit(router, identity, request):
+                continue
+            part.append(request)
+            part_tokens += len(request.prompt_token_ids)
+            if 0 < self.batch_part_tokens <= part_tokens and index + 1 < len(items):
+                self.peers.add(identity)
+                self._enqueue(identity, _BatchPart(part, last=False))
+                parts_sent += 1
+                part, part_tokens = [], 0
+        if part or parts_sent:
+            self.peers.add(identity)
+            self._enqueue(identity, _BatchPart(part, last=True))
 
     def _admit(self, router: zmq.Socket, identity: bytes, request: EngineCoreRequest) -> bool:
         """Check a request and count it as pending; else answer its sender why not."""
@@ -711,18 +778,16 @@ class EngineCoreProc(EngineCore):
                 "requests (running + waiting); retry later.")
         return admitted
 
-    def _decode_batch(self, router: zmq.Socket, identity: bytes, items: list) -> list[EngineCoreRequest]:
-        """The requests of a batch that failed typed decoding as a whole, decoded one by one: those
-        that decode, and an answer to the sender of each one that does not."""
-        requests = []
-        for item in items:
-            if isinstance(item, dict) and "type" not in item:  # (a batch's requests may leave out their tag)
-                item = {**item, "type": "add"}
-            try:
-                requests.append(request_decoder.decode(encode(item)))
-            except Exception as e:
-                self._refuse_undecodable(router, identity, item, e)
-        return requests
+    def _decode_batch_item(self, router: zmq.Socket, identity: bytes, item: msgspec.Raw) -> EngineCoreRequest | None:
+        """One request of a batch, or None after answering its sender why not (if it can be told)."""
+        try:
+            return request_decoder.decode(item)
+        except Exception as e:
+            raw = _decode_untyped(item)
+            if isinstance(raw, dict) and "type" not in raw:  # (a batch's requests may leave out their tag)
+                raw = {**raw, "type": "add"}
+            self._refuse_undecodable(router, identity, raw, e)
+            return None
 
     def _refuse_undecodable(self, router: zmq.Socket, identity: bytes, raw: Any, error: Exception) -> None:
         """A message that failed typed decoding (`raw`: as plain msgpack, or None): if it reads as
@@ -761,10 +826,6 @@ def _decode_untyped(payload: bytes) -> Any:
         return msgspec.msgpack.decode(payload)
     except Exception:
         return None
-
-
-def _is_batch(raw: Any) -> bool:
-    return isinstance(raw, dict) and raw.get("type") == "add_many" and isinstance(raw.get("requests"), list)
 
 
 def _salvage_request_id(raw: Any) -> str | None:

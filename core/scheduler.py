@@ -38,7 +38,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -230,6 +230,12 @@ class Scheduler:
         # waits, so no step is scheduled differently. Not with a KV connector.
         self._defer_block_updates = False
         self._finished_blocks: list[list[KVCacheBlock]] = []
+        # Called when the waiting queue runs out while a step still has room (None: never). The
+        # engine sets it where a batch reaches the scheduler in parts (EngineCoreProc): it waits for
+        # the batch's next part, adds its requests and returns whether it added any, so that a step
+        # never depends on how much of a batch had arrived. Only for queue-order policies without
+        # pipeline parallelism, whose steps look at the waiting queue only through this loop.
+        self.await_more_requests: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -487,8 +493,12 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan, whole_prompts_only: bool) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
-        while (self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs
+        while (plan.token_budget > 0 and len(self.running) < self.max_num_seqs
                and len(plan.num_scheduled_tokens) < plan.max_reqs):
+            if not self.waiting:
+                if self.await_more_requests is None or not self.await_more_requests():
+                    break
+                continue  # (its requests may all have been refused: look again)
             request = self.waiting.peek()
             num_external_tokens = 0
             if request.num_computed_tokens:  # holds blocks: its KV was loaded by the connector

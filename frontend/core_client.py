@@ -296,8 +296,8 @@ class EngineCoreClient(EngineCoreClientBase):
     # -- requests -------------------------------------------------------------------------------
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """Send requests together: one alone as itself, several as one AddRequests message, which
-        the engine puts in its scheduler whole before its next step, so a batch starts as one. (A
+        """Send requests together: one alone as itself, several as one AddRequests message, whose
+        steps in the engine are those of the whole batch, whatever the timing. (A
         batch over the largest message the engine takes is split in halves, each sent whole.)"""
         wire = [msgspec.structs.replace(r, request_id=self.prefix + r.request_id) for r in requests]
         with self.io_lock:

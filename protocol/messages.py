@@ -45,10 +45,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
 
 
 class AddRequests(msgspec.Struct, tag="add_many"):
-    """Requests sent together (LLM.generate's batch): the engine admits them in one go, so they
-    are all in the scheduler before its next step, whatever the timing (sent one by one, the first
-    would start alone while the rest are on their way, and a batch's steps would depend on timing).
-    Each is checked, admitted or refused on its own, as if it came alone."""
+    """Requests sent together (LLM.generate's batch), so that the batch's steps do not depend on
+    timing (sent one by one, the first would start alone while the rest are on their way). Each is
+    checked, admitted or refused on its own, as if it came alone. The engine may start the first
+    step on a batch's first requests while it reads the rest, but its scheduler waits for more
+    wherever the whole batch would have given it more (EngineCoreProc._BatchPart)."""
 
     requests: list[EngineCoreRequest]
 

@@ -7,10 +7,13 @@ from typing import Any
 import msgspec
 
 from minivllm.protocol.messages import (
+    AbortRequests,
     EngineCoreInput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineToWorker,
+    Shutdown,
+    UtilityCall,
     WorkerToEngine,
 )
 
@@ -21,9 +24,22 @@ def encode(message: Any) -> bytes:
     return encoder.encode(message)
 
 
+
+
+class RawAddRequests(msgspec.Struct, tag="add_many"):
+    """AddRequests as the engine's socket thread reads it: each request left undecoded (the bytes of
+    its msgpack value), to be decoded, checked and admitted on its own, so that the first ones can
+    be scheduled while the rest are still being read (a 256-prompt batch: ~10 ms to decode whole)."""
+
+    requests: list[msgspec.Raw]
+
+
 # Decoders validate types as they parse: a malformed message fails here, not deep in the engine.
 engine_input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)
-request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)  # one request of an AddRequests that failed whole
+# What the engine's socket takes (EngineCoreInput, a batch's requests raw) and one such request.
+engine_socket_decoder = msgspec.msgpack.Decoder(
+    EngineCoreRequest | RawAddRequests | AbortRequests | UtilityCall | Shutdown)
+request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 engine_output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 worker_input_decoder = msgspec.msgpack.Decoder(EngineToWorker)
 worker_output_decoder = msgspec.msgpack.Decoder(WorkerToEngine)

@@ -5,6 +5,7 @@ worker into EngineDeadError. The traffic generators are benchmarks/soak_engine.p
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -185,6 +186,59 @@ def test_a_batch_starts_in_one_step_and_each_request_is_judged_alone(open_engine
             assert out.error_type == "invalid" and "outside the vocabulary; ids must be in [0, 512)" in out.error
             out = finished[f"mistyped{attempt}"][1]
             assert out.error_type == "invalid" and out.error.startswith("invalid request: ")
+    finally:
+        ctx.destroy(linger=0)
+    assert proc.poll() is None
+
+
+@pytest.fixture(scope="module")
+def small_step_engine(tiny_llama):
+    """A standalone engine whose steps take 64 tokens, so a batch of a few hundred prompt tokens
+    reaches its busy loop in parts."""
+    address = free_tcp_address()
+    proc = start_engine(tiny_llama, address, "--max-model-len", "512", "--max-num-batched-tokens", str(SMALL_STEP))
+    wait_for_engine(address, proc).shutdown()
+    yield address, proc
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+SMALL_STEP = 64
+
+
+def test_a_batch_read_in_parts_runs_the_steps_of_the_whole_batch(small_step_engine) -> None:
+    """A batch of many steps' prompt tokens is decoded and admitted request by request and reaches
+    the scheduler in parts, its first step starting while the rest is read; the scheduler waits for
+    the next part whenever it would look past the last one in. So the steps are those of the whole
+    batch: with one-token answers, the requests that finish together are exactly those whose
+    prompts end in the same 64-token step of the batch's prompts laid end to end. A request refused
+    in a later part is answered with its reason and changes nothing else. (Here the parts come
+    faster than the steps; test_scheduler's test_a_batch_coming_in_parts_is_scheduled_as_if_whole
+    varies when they come.)"""
+    address, proc = small_step_engine
+    ctx = zmq.Context()
+    ctx.linger = 0
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        for attempt in range(3):
+            lengths = [5 + (7 * i + 3 * attempt) % 37 for i in range(60)]  # ~1,400 tokens: ~22 steps
+            # (no two prompts start alike, in this batch or an earlier one: no prefix-cache hits)
+            valid = [_raw_add(f"parts{attempt}-{i}", [1 + (100 * attempt + i + j) % 500 for j in range(n)],
+                              max_tokens=1) for i, n in enumerate(lengths)]
+            hostile = _raw_add(f"parts-hostile{attempt}", [1, 10**6], max_tokens=1)
+            items = [*valid[:40], hostile, *valid[40:]]
+            sock.send(msgspec.msgpack.encode({"type": "add_many", "requests": items}))
+            finished = _finished_by_message(sock, len(items))
+            ends = itertools.accumulate(lengths)
+            expected = [[r["request_id"] for r, end in group]
+                        for _, group in itertools.groupby(zip(valid, ends), key=lambda pair: (pair[1] - 1) // SMALL_STEP)]
+            got = [[r["request_id"] for r in valid if finished[r["request_id"]][0] == index]
+                   for index in sorted({finished[r["request_id"]][0] for r in valid})]
+            assert got == expected
+            assert all(len(finished[r["request_id"]][1].new_token_ids) == 1 for r in valid)
+            out = finished[f"parts-hostile{attempt}"][1]
+            assert out.error_type == "invalid" and "outside the vocabulary" in out.error
     finally:
         ctx.destroy(linger=0)
     assert proc.poll() is None

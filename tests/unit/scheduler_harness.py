@@ -221,12 +221,14 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
 
 
 def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 10_000,
-                      pipelined: bool = False, steps_in_flight: int = 2) -> Run:
+                      pipelined: bool = False, steps_in_flight: int = 2,
+                      before_schedule: Callable[[], None] | None = None) -> Run:
     """Step until every request finished. pipelined: as the EngineCore with async scheduling,
     steps N+1 .. N+steps_in_flight-1 are scheduled (and run by the worker, which has step N's
-    tokens) before the scheduler sees step N's tokens."""
+    tokens) before the scheduler sees step N's tokens. before_schedule (pipelined only): called
+    before each schedule(), as the engine's busy loop takes what arrived."""
     if pipelined:
-        return _run_pipelined(scheduler, worker, max_steps, steps_in_flight)
+        return _run_pipelined(scheduler, worker, max_steps, steps_in_flight, before_schedule)
     run = Run(scheduler_outputs=[], outputs={})
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -242,7 +244,8 @@ def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps: int =
     return run
 
 
-def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int, steps_in_flight: int) -> Run:
+def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int, steps_in_flight: int,
+                   before_schedule: Callable[[], None] | None) -> Run:
     run = Run(scheduler_outputs=[], outputs={})
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -250,6 +253,8 @@ def _run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int, ste
         if not scheduler.has_unfinished_requests() and not in_flight:
             break
         submitted = False
+        if before_schedule is not None:
+            before_schedule()
         if scheduler.has_unfinished_requests() and len(in_flight) < steps_in_flight:
             out = scheduler.schedule()
             check_invariants(scheduler, out)
