@@ -237,23 +237,28 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(requests)
         # Never more of ours in the engine than it may hold: the rest go in as earlier ones finish.
         window = max(1, self.engine_info.max_pending_requests)
-        unsent: deque = deque()
+        unsent: deque = deque(child for request, _ in requests for child in fan_out(request))
         in_flight = 0
+
+        def send() -> None:  # as many as the window takes, together: the engine starts them as one batch
+            nonlocal in_flight
+            if unsent and in_flight < window:
+                batch = [unsent.popleft() for _ in range(min(len(unsent), window - in_flight))]
+                self.client.add_requests(batch)
+                in_flight += len(batch)
+
         try:
+            send()  # first: the engine starts on them while the requests are tracked here
             for request, prompt_text in requests:
                 child_ids = output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
                                                          request.arrival_time, request.sampling_params)
                 if len(child_ids) > 1:
                     self.child_ids[request.request_id] = child_ids
-                unsent.extend(fan_out(request))
             # (No bar object at all unless asked: even a disabled tqdm takes ~40 us to make, on the
             # way of a batch-1 request's first token.)
             with (tqdm(total=len(requests), desc="Generating", unit="req") if use_tqdm else _NoProgressBar()) as bar:
                 while output_processor.has_unfinished_requests():
-                    if unsent and in_flight < window:  # together: the engine starts them as one batch
-                        batch = [unsent.popleft() for _ in range(min(len(unsent), window - in_flight))]
-                        self.client.add_requests(batch)
-                        in_flight += len(batch)
+                    send()
                     outputs = self.client.get_outputs()
                     for out in outputs:
                         if out.finish_reason is None or out.request_id not in output_processor.requests:
