@@ -16,8 +16,10 @@ def cdiv(a: int, b: int) -> int:
 
 # Requests whose block hashes a new one may take over where their tokens agree (_get_block_hashes).
 MAX_HASH_DONORS = 16
-# Blocks a prefix-cache lookup hashes before its first check; each later run is twice the last.
-LOOKUP_HASH_RUN = 16
+# Blocks a prefix-cache lookup hashes before its first check; each later run is twice the last. One:
+# a fresh prompt's lookup, the usual miss, hashes one block before the step instead of 16 (a
+# 256-prompt batch's first step: ~400 blocks); the rest are hashed when registered, after it.
+LOOKUP_HASH_RUN = 1
 
 
 class KVCacheManager:
@@ -41,10 +43,11 @@ class KVCacheManager:
         # With defer_caching, the full blocks a step fills are registered by cache_deferred_blocks()
         # (the EngineCore calls it once the step is on its way to the workers), in the order they
         # were allocated: hashing them is a pass over their tokens (a 16k-token chunk's 1,024
-        # blocks: ~1.2 ms on an H100's host) that would otherwise sit between the scheduler and the GPU. Everything
-        # that reads the prefix cache or gives blocks back registers what waits first, so no
-        # lookup, allocation or free sees a difference. (Not with a KV connector, which is told of
-        # newly registered blocks for the step that computes them.)
+        # blocks: ~1.2 ms on an H100's host) that would otherwise sit between the scheduler and the GPU. Whatever
+        # gives blocks back registers what waits first, and so does a lookup whose request begins
+        # as a waiting one does (no other lookup can find their blocks), so no lookup, allocation
+        # or free sees a difference. (Not with a KV connector, which is told of newly registered
+        # blocks for the step that computes them.)
         self.defer_caching = False
         self._blocks_to_cache: list[tuple[Request, list[KVCacheBlock], int]] = []
 
@@ -61,9 +64,12 @@ class KVCacheManager:
         # a request computes its whole prompt (as vLLM does); its blocks are still cached for others.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
-        self.cache_deferred_blocks()
         assert request.num_computed_tokens == 0, "only requests that hold no blocks look up the cache"
         max_num_blocks = (request.num_tokens - 1) // self.block_size
+        if not max_num_blocks:
+            return [], 0
+        if self._blocks_to_cache and self._starts_like_a_deferred_one(request):
+            self.cache_deferred_blocks()
         computed_blocks: list[KVCacheBlock] = []
         # Blocks are hashed only as far as the lookup goes, in growing runs: the first miss ends the
         # chain, and the blocks after it are hashed when they are registered, chunk by chunk (a
@@ -78,6 +84,15 @@ class KVCacheManager:
                 computed_blocks.append(block)
             num_looked_up, run = end, 2 * run
         return computed_blocks, len(computed_blocks) * self.block_size
+
+    def _starts_like_a_deferred_one(self, request: Request) -> bool:
+        """Whether a request whose blocks wait to be registered begins with the same block (and
+        salt) as `request`. Only such blocks can be found by its lookup, since a block's hash
+        covers every token before it. (A step's first schedule admits ~30 prompts of different
+        beginnings: each lookup registering all that waited hashed ~1,000 blocks before its GPU work.)"""
+        first = request.token_ids_between(0, self.block_size)
+        return any(other.cache_salt == request.cache_salt and other.token_ids_between(0, self.block_size) == first
+                   for other, _, _ in self._blocks_to_cache)
 
     def hash_full_blocks(self, request: Request) -> None:
         """With prefix caching, hash all the request's full blocks now (request.block_hashes): a KV

@@ -81,6 +81,27 @@ def test_request_block_hashes_extend_as_outputs_fill_blocks() -> None:
     manager.free(request)
 
 
+def test_a_lookup_registers_waiting_blocks_only_for_a_request_that_begins_as_they_do() -> None:
+    """defer_caching (the engine's): blocks a step fills wait to be registered. A lookup by a
+    request that begins otherwise (or with another salt) leaves them waiting, hashing nothing of
+    theirs (their hashes cannot be among its); one that begins the same way registers them first
+    and hits them in the same step."""
+    manager = KVCacheManager(BLOCK_SIZE, 64, enable_caching=True)
+    manager.defer_caching = True
+    shared = list(range(100, 120))  # 5 full blocks
+    a = make_req("a", shared + [1, 2])
+    compute(manager, a)
+    assert manager.num_deferred_blocks() == 5 and a.block_hashes[:1] == hash_request_blocks(shared[:4], BLOCK_SIZE)
+    for other in (make_req("b", list(range(200, 230))), make_req("c", shared + [3], cache_salt="s")):
+        assert manager.get_computed_blocks(other) == ([], 0)
+        assert manager.num_deferred_blocks() == 5 and len(a.block_hashes) == 1  # a's still wait, unhashed
+        assert len(other.block_hashes) == LOOKUP_HASH_RUN
+    d = make_req("d", shared + [4, 5])
+    blocks, num_hit_tokens = manager.get_computed_blocks(d)
+    assert manager.num_deferred_blocks() == 0 and num_hit_tokens == 20
+    assert [block.block_id for block in blocks] == manager.get_block_ids("a")[:5]
+
+
 def test_a_long_prompt_hashes_only_as_far_as_the_lookup_and_its_scheduled_chunks_go() -> None:
     # 600 full blocks of 4: a miss at the first block hashes one run; each chunk then hashes its
     # own blocks when they are registered, and together they equal hashing the whole prompt.
@@ -95,12 +116,12 @@ def test_a_long_prompt_hashes_only_as_far_as_the_lookup_and_its_scheduled_chunks
         assert len(request.block_hashes) == 200 * chunk
     assert request.block_hashes == hash_request_blocks(prompt, BLOCK_SIZE)
     # A later request with the first 150 blocks in common hits them all, looking up in growing
-    # runs (16, 32, 64, 128 blocks) and hashing no further than the run that missed.
+    # runs (1, 2, 4, ..., 128 blocks) and hashing no further than the run that missed.
     later = make_req("b", prompt[:600] + [7] * 1000)
     manager._hash_donors.clear()  # (none taken over from "a": the lookup hashes them)
     blocks, num_hit_tokens = manager.get_computed_blocks(later)
     assert num_hit_tokens == 600 and [b.block_id for b in blocks] == manager.get_block_ids("a")[:150]
-    assert len(later.block_hashes) == 16 + 32 + 64 + 128
+    assert LOOKUP_HASH_RUN == 1 and len(later.block_hashes) == 1 + 2 + 4 + 8 + 16 + 32 + 64 + 128
     # A KV connector looks past the hits: hash_full_blocks covers the whole prompt.
     manager.hash_full_blocks(later)
     assert later.block_hashes == hash_request_blocks(later.all_token_ids, BLOCK_SIZE)
