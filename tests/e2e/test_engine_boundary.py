@@ -5,6 +5,7 @@ worker into EngineDeadError. The traffic generators are benchmarks/soak_engine.p
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -39,6 +41,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["Hello", "The quick brown fox", "What is the capital of France?"]
 KEY = "0123456789abcdef-test-engine-key"
 MAX_PENDING = 16
+
+
+@contextlib.contextmanager
+def raw_peer(address: str) -> Iterator[zmq.Socket]:
+    """A bare DEALER connected to the engine, as any peer could be; gone (without lingering on a
+    send, should an assert fail) when the block ends."""
+    ctx = zmq.Context()
+    ctx.linger = 0
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        yield sock
+    finally:
+        ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")
@@ -116,25 +132,21 @@ def test_engine_refusal_raises_value_error_with_the_engines_message(open_engine)
 
 def test_malformed_frames_get_no_answer_and_break_nothing(open_engine) -> None:
     address, proc = open_engine
-    ctx = zmq.Context()
-    ctx.linger = 0  # if an assert fails before destroy, collecting ctx later must not block on a send
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(address)
-    for frames in ([b""], [b"a", b"b"], [b"x"] * 5, [b"\xc1"], [msgspec.msgpack.encode({"type": "add"})]):
-        sock.send_multipart(frames)
-    # An abort of somebody else's (or nobody's) request id changes nothing.
-    sock.send(msgspec.msgpack.encode({"type": "abort", "request_ids": ["not-mine"]}))
-    sock.send(msgspec.msgpack.encode({"type": "utility", "call_id": 7, "method": "check_health", "args": []}))
-    # Skip empty outputs: after a peer disconnects (the previous test's frontend) the engine probes
-    # every connected peer with one, to learn which is gone.
-    deadline = time.monotonic() + 5
-    while True:
-        assert sock.poll(max(0.0, deadline - time.monotonic()) * 1000)
-        answer = msgspec.msgpack.decode(sock.recv(), type=EngineCoreOutputs)
-        if answer != EngineCoreOutputs():
-            break
-    assert answer.utility_result.call_id == 7 and answer.utility_result.result is True
-    ctx.destroy(linger=0)
+    with raw_peer(address) as sock:
+        for frames in ([b""], [b"a", b"b"], [b"x"] * 5, [b"\xc1"], [msgspec.msgpack.encode({"type": "add"})]):
+            sock.send_multipart(frames)
+        # An abort of somebody else's (or nobody's) request id changes nothing.
+        sock.send(msgspec.msgpack.encode({"type": "abort", "request_ids": ["not-mine"]}))
+        sock.send(msgspec.msgpack.encode({"type": "utility", "call_id": 7, "method": "check_health", "args": []}))
+        # Skip empty outputs: after a peer disconnects (the previous test's frontend) the engine probes
+        # every connected peer with one, to learn which is gone.
+        deadline = time.monotonic() + 5
+        while True:
+            assert sock.poll(max(0.0, deadline - time.monotonic()) * 1000)
+            answer = msgspec.msgpack.decode(sock.recv(), type=EngineCoreOutputs)
+            if answer != EngineCoreOutputs():
+                break
+        assert answer.utility_result.call_id == 7 and answer.utility_result.result is True
     assert proc.poll() is None
 
 
@@ -160,16 +172,12 @@ def _finished_by_message(sock: zmq.Socket, count: int, timeout_s: float = 30.0) 
 
 
 def test_a_batch_starts_in_one_step_and_each_request_is_judged_alone(open_engine) -> None:
-    """AddRequests, what LLM.generate sends: the valid requests are all in the scheduler before its
-    next step, so their one-token answers come back in one message (sent one by one, the first
-    starts alone). In the same batch a request with a hostile value and a wrongly typed one are
+    """AddRequests, what LLM.generate sends: the batch's steps are those of the whole batch, so the
+    valid requests' one-token answers come back in one message (sent one by one, the first starts
+    alone). In the same batch a request with a hostile value and a wrongly typed one are
     each refused with their reason, and random values are dropped."""
     address, proc = open_engine
-    ctx = zmq.Context()
-    ctx.linger = 0
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(address)
-    try:
+    with raw_peer(address) as sock:
         for attempt in range(5):
             valid = [_raw_add(f"batch{attempt}-{i}", [i + 1] * (i + 2), max_tokens=1) for i in range(6)]
             hostile = _raw_add(f"hostile{attempt}", [1, 10**6], max_tokens=1)
@@ -186,9 +194,10 @@ def test_a_batch_starts_in_one_step_and_each_request_is_judged_alone(open_engine
             assert out.error_type == "invalid" and "outside the vocabulary; ids must be in [0, 512)" in out.error
             out = finished[f"mistyped{attempt}"][1]
             assert out.error_type == "invalid" and out.error.startswith("invalid request: ")
-    finally:
-        ctx.destroy(linger=0)
     assert proc.poll() is None
+
+
+SMALL_STEP = 64
 
 
 @pytest.fixture(scope="module")
@@ -203,9 +212,6 @@ def small_step_engine(tiny_llama):
     proc.wait(timeout=20)
 
 
-SMALL_STEP = 64
-
-
 def test_a_batch_read_in_parts_runs_the_steps_of_the_whole_batch(small_step_engine) -> None:
     """A batch of many steps' prompt tokens is decoded and admitted request by request and reaches
     the scheduler in parts, its first step starting while the rest is read; the scheduler waits for
@@ -216,11 +222,7 @@ def test_a_batch_read_in_parts_runs_the_steps_of_the_whole_batch(small_step_engi
     faster than the steps; test_scheduler's test_a_batch_coming_in_parts_is_scheduled_as_if_whole
     varies when they come.)"""
     address, proc = small_step_engine
-    ctx = zmq.Context()
-    ctx.linger = 0
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(address)
-    try:
+    with raw_peer(address) as sock:
         for attempt in range(3):
             lengths = [5 + (7 * i + 3 * attempt) % 37 for i in range(60)]  # ~1,400 tokens: ~22 steps
             # (no two prompts start alike, in this batch or an earlier one: no prefix-cache hits)
@@ -239,8 +241,6 @@ def test_a_batch_read_in_parts_runs_the_steps_of_the_whole_batch(small_step_engi
             assert all(len(finished[r["request_id"]][1].new_token_ids) == 1 for r in valid)
             out = finished[f"parts-hostile{attempt}"][1]
             assert out.error_type == "invalid" and "outside the vocabulary" in out.error
-    finally:
-        ctx.destroy(linger=0)
     assert proc.poll() is None
 
 
@@ -262,13 +262,9 @@ def test_auth_no_key_and_wrong_key_are_refused_right_key_works(keyed_engine, mon
     with pytest.raises(ConnectionError, match="could not authenticate.*with an engine key"):
         LLM(engine_address=address, engine_key="the-wrong-key-of-enough-length")
     # A raw peer without the key gets nothing through: its messages never reach the engine.
-    ctx = zmq.Context()
-    ctx.linger = 0  # if an assert fails before destroy, collecting ctx later must not block on a send
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(address)
-    sock.send(msgspec.msgpack.encode({"type": "shutdown"}))
-    assert not sock.poll(1000)
-    ctx.destroy(linger=0)
+    with raw_peer(address) as sock:
+        sock.send(msgspec.msgpack.encode({"type": "shutdown"}))
+        assert not sock.poll(1000)
     assert proc.poll() is None
     monkeypatch.setenv("MINIVLLM_ENGINE_KEY", KEY)  # the default key source
     with LLM(engine_address=address) as llm:
