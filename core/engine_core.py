@@ -460,8 +460,8 @@ class EngineCoreProc(EngineCore):
 
     def _process_input(self, block: bool) -> None:
         """Handle everything that arrived; when idle, wait (checking the workers now and then). With
-        no step in flight, a batch's first part ends it: the step starts on it while the socket
-        thread reads the rest (the scheduler waits for what it needs of that)."""
+        no step in flight, this returns once a batch's first part is in: the step starts on it
+        while the socket thread reads the rest (the scheduler waits for what it needs of that)."""
         while self.deferred_inputs:
             self._handle(*self.deferred_inputs.popleft())
             block = False
