@@ -90,9 +90,13 @@ class KVCacheManager:
         salt) as `request`. Only such blocks can be found by its lookup, since a block's hash
         covers every token before it. (A step's first schedule admits ~30 prompts of different
         beginnings: each lookup registering all that waited hashed ~1,000 blocks before its GPU work.)"""
-        first = request.token_ids_between(0, self.block_size)
-        return any(other.cache_salt == request.cache_salt and other.token_ids_between(0, self.block_size) == first
-                   for other, _, _ in self._blocks_to_cache)
+        key = self._first_block_key(request)
+        return any(self._first_block_key(other) == key for other, _, _ in self._blocks_to_cache)
+
+    def _first_block_key(self, request: Request) -> tuple:
+        """How a request begins: its cache salt and its first block's tokens (every block hash
+        chains back to these)."""
+        return request.cache_salt, tuple(request.token_ids_between(0, self.block_size))
 
     def hash_full_blocks(self, request: Request) -> None:
         """With prefix caching, hash all the request's full blocks now (request.block_hashes): a KV
@@ -147,7 +151,7 @@ class KVCacheManager:
     def _donated_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """The leading block hashes of the latest request that began as `request` does (same first
         block, same salt), as far as their tokens agree; and `request` becomes that donor."""
-        key = (request.cache_salt, tuple(request.token_ids_between(0, self.block_size)))
+        key = self._first_block_key(request)
         donor = self._hash_donors.pop(key, None)
         self._hash_donors[key] = request
         if len(self._hash_donors) > MAX_HASH_DONORS:
