@@ -738,7 +738,7 @@ class EngineCoreProc(EngineCore):
         marked so (_BatchPart)."""
         part: list[EngineCoreRequest] = []
         part_tokens = 0
-        parts_sent = 0
+        opened = False  # a part went before: the batch must be closed by a last one
         for index, item in enumerate(items):
             # Let the busy loop take the GIL whenever it wants it (a part to schedule, a step to
             # send): else it waits out the interpreter's switch interval (5 ms) behind this loop.
@@ -751,9 +751,9 @@ class EngineCoreProc(EngineCore):
             if 0 < self.batch_part_tokens <= part_tokens and index + 1 < len(items):
                 self.peers.add(identity)
                 self._enqueue(identity, _BatchPart(part, last=False))
-                parts_sent += 1
+                opened = True
                 part, part_tokens = [], 0
-        if part or parts_sent:
+        if part or opened:
             self.peers.add(identity)
             self._enqueue(identity, _BatchPart(part, last=True))
 
