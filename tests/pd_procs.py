@@ -25,6 +25,20 @@ def wait_for_pull(puller, timeout: float = 10.0, interval: float = 0.01) -> tupl
     raise AssertionError("the pull neither finished nor failed")
 
 
+def wait_for_release(server, req_ids: set[str], timeout: float = 10.0, interval: float = 0.01) -> set[str]:
+    """Every id a KV block server released until `req_ids` are among them, or AssertionError after
+    timeout. (A p2p transport releases once its sends complete, which may be just after the
+    consumer reports the pull done.)"""
+    deadline = time.monotonic() + timeout
+    released: set[str] = set()
+    while time.monotonic() < deadline:
+        released |= server.take_released()
+        if released >= req_ids:
+            return released
+        time.sleep(interval)
+    raise AssertionError(f"the server released {sorted(released)}, not {sorted(req_ids)}")
+
+
 class ProxyProcess:
     """`minivllm proxy --prefill ... --decode ...`; .url is its base URL. Up once it answers /health
     (whatever the status: a backend may be down on purpose)."""

@@ -13,7 +13,7 @@ import torch
 from minivllm.worker.kv_connector import pd_nccl_transport
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import PullJob
-from tests.pd_procs import wait_for_pull
+from tests.pd_procs import wait_for_pull, wait_for_release
 from tests.server_procs import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -60,7 +60,7 @@ def test_blocks_move_gpu_to_gpu_over_nccl(dtype: torch.dtype, monkeypatch) -> No
         for mine, theirs in zip(consumer, producer):
             assert torch.equal(mine[:, local].cpu(), theirs[:, remote].cpu())
             assert not mine[:, untouched].any()
-        assert server.take_released() >= {"p2"}
+        wait_for_release(server, {"p2"})
     finally:
         puller.close()
         server.close()

@@ -13,7 +13,7 @@ import torch
 from minivllm.worker.kv_connector import pd_nccl_transport
 from minivllm.worker.kv_connector.pd_nccl_transport import NcclBlockPuller, NcclBlockServer
 from minivllm.worker.kv_connector.pd_zmq_transport import KVBlockPuller, KVBlockServer, PullJob
-from tests.pd_procs import wait_for_pull as wait_for
+from tests.pd_procs import wait_for_pull as wait_for, wait_for_release
 from tests.server_procs import free_port
 
 TRANSPORTS = {"zmq": (KVBlockServer, KVBlockPuller), "p2p": (NcclBlockServer, NcclBlockPuller)}
@@ -58,7 +58,7 @@ def test_blocks_move_into_the_allocated_blocks(transport, dtype: torch.dtype | s
         for mine, theirs in zip(consumer, producer):
             assert torch.equal(mine[:, [2, 7, 0]], theirs[:, [5, 1, 6]])
             assert not mine[:, [1, 3, 4, 5, 6]].any()  # nothing else was touched
-        assert server.take_released() == {"p1"}
+        assert wait_for_release(server, {"p1"}) == {"p1"}
         # a second pull of the same request: refused clearly (its blocks are gone)
         puller.start(PullJob("d2", "p1", f"tcp://127.0.0.1:{port}", [5, 1, 6], [2, 7, 0]))
         done, failed = wait_for(puller)
