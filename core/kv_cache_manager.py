@@ -50,6 +50,7 @@ class KVCacheManager:
         # blocks for the step that computes them.)
         self.defer_caching = False
         self._blocks_to_cache: list[tuple[Request, list[KVCacheBlock], int]] = []
+        self._deferred_first_blocks: set[tuple] = set()  # how those requests begin (_first_block_key)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -68,7 +69,7 @@ class KVCacheManager:
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         if not max_num_blocks:
             return [], 0
-        if self._blocks_to_cache and self._starts_like_a_deferred_one(request):
+        if self._deferred_first_blocks and self._first_block_key(request) in self._deferred_first_blocks:
             self.cache_deferred_blocks()
         computed_blocks: list[KVCacheBlock] = []
         # Blocks are hashed only as far as the lookup goes, in growing runs: the first miss ends the
@@ -84,14 +85,6 @@ class KVCacheManager:
                 computed_blocks.append(block)
             num_looked_up, run = end, 2 * run
         return computed_blocks, len(computed_blocks) * self.block_size
-
-    def _starts_like_a_deferred_one(self, request: Request) -> bool:
-        """Whether a request whose blocks wait to be registered begins with the same block (and
-        salt) as `request`. Only such blocks can be found by its lookup, since a block's hash
-        covers every token before it. (A step's first schedule admits ~30 prompts of different
-        beginnings: each lookup registering all that waited hashed ~1,000 blocks before its GPU work.)"""
-        key = self._first_block_key(request)
-        return any(self._first_block_key(other) == key for other, _, _ in self._blocks_to_cache)
 
     def _first_block_key(self, request: Request) -> tuple:
         """How a request begins: its cache salt and its first block's tokens (every block hash
@@ -247,6 +240,12 @@ class KVCacheManager:
             return
         if self.defer_caching:
             self._blocks_to_cache.append((request, blocks, num_tokens))
+            # A lookup registers what waits only for a request that begins as one of these does:
+            # only such blocks can it find, since a block's hash covers every token before it. (A
+            # step's first schedule admits ~30 prompts of different beginnings; registering all that
+            # waited at each lookup hashed ~1,000 blocks before the step's GPU work.) A full block
+            # is set aside, so the first block's tokens are there and never change.
+            self._deferred_first_blocks.add(self._first_block_key(request))
             return
         self._register_full_blocks(request, blocks, num_full_blocks, num_cached_blocks)
 
@@ -259,6 +258,7 @@ class KVCacheManager:
     def cache_deferred_blocks(self) -> None:
         """Register the blocks defer_caching set aside, in the order they were filled."""
         waiting, self._blocks_to_cache = self._blocks_to_cache, []
+        self._deferred_first_blocks.clear()
         for request, blocks, num_tokens in waiting:
             # (counted again here: an earlier entry of the same request may have registered more)
             num_full_blocks, num_cached_blocks = self._full_and_registered(request, num_tokens)
