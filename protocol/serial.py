@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union, get_args
 
 import msgspec
 
 from minivllm.protocol.messages import (
-    AbortRequests,
+    AddRequests,
     EngineCoreInput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineToWorker,
-    Shutdown,
-    UtilityCall,
     WorkerToEngine,
 )
 
@@ -22,8 +20,6 @@ encoder = msgspec.msgpack.Encoder()
 
 def encode(message: Any) -> bytes:
     return encoder.encode(message)
-
-
 
 
 class RawAddRequests(msgspec.Struct, tag="add_many"):
@@ -36,9 +32,9 @@ class RawAddRequests(msgspec.Struct, tag="add_many"):
 
 # Decoders validate types as they parse: a malformed message fails here, not deep in the engine.
 engine_input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)
-# What the engine's socket takes (EngineCoreInput, a batch's requests raw) and one such request.
+# What the engine's socket takes: EngineCoreInput, with a batch's requests left raw. And one such request.
 engine_socket_decoder = msgspec.msgpack.Decoder(
-    EngineCoreRequest | RawAddRequests | AbortRequests | UtilityCall | Shutdown)
+    Union[tuple(RawAddRequests if kind is AddRequests else kind for kind in get_args(EngineCoreInput))])
 request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 engine_output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 worker_input_decoder = msgspec.msgpack.Decoder(EngineToWorker)
