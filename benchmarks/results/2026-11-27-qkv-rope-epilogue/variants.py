@@ -1,0 +1,40 @@
+"""Where linear_rope's time goes: variants of the kernel that each leave one stage out (built by
+make_variants.py into the folder given as the first argument), timed as rope_probe times them (28
+layers in a CUDA graph, FP8 cache). --ncu: only the full kernel at 256 rows, for a profiler."""
+import os, sys, torch
+from minivllm.worker import hopper_gemm, ops, pdl
+from minivllm.worker.attention.kv_cache import KVCacheLayout
+sys.path.insert(0, "benchmarks/results/2026-11-27-qkv-rope-epilogue")
+from rope_probe import timed
+
+def main():
+    dev = torch.device("cuda")
+    hidden, nq, nkv, hd = 1024, 16, 8, 128
+    n = (nq + 2 * nkv) * hd
+    weights = [(torch.randn(n, hidden, device=dev) / 32).to(torch.bfloat16) for _ in range(8)]
+    angles = torch.rand(40960, 64, device=dev) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    qn = (1 + 0.1 * torch.randn(hd, device=dev)).to(torch.bfloat16); kn = qn.clone()
+    layout = KVCacheLayout(16, nkv, hd, torch.bfloat16, fp8=True)
+    caches = [layout.allocate(4096, dev) for _ in range(4)]
+    folder = next(a for a in sys.argv[1:] if not a.startswith("--"))
+    libs = {name: hopper_gemm.load_library(os.path.join(folder, f"{name}.so"))
+            for name in ("prev", "full", "no_epilogue_math", "no_math_no_cos_sin", "main_loop_only")}
+    only = "--ncu" in sys.argv
+    for rows in ([256] if only else [16, 64, 128, 256]):
+        x = torch.randn(rows, hidden, device=dev).to(torch.bfloat16)
+        pos = torch.randint(0, 4000, (rows,), device=dev)
+        slots = torch.randperm(4096 * 16, device=dev)[:rows]
+        rule = hopper_gemm.rope_token_tile(rows, n // hd, pdl.num_sms(0))
+        res = {"gemm": timed(lambda i: hopper_gemm.linear(x, weights[i % 8]))}
+        for tile in sorted({rule, 16} if rows < 256 else {rule, 16, 32}):
+            for name, lib in libs.items():
+                if only and name != "full": continue
+                hopper_gemm.library = lambda lib=lib: lib
+                res[f"{name}@{tile}"] = timed(lambda i: hopper_gemm.linear_rope(
+                    x, weights[i % 8], hopper_gemm.QkvRope(pos, slots, cos, sin, qn, kn, 1e-6, nq, nkv, caches[i % 4], layout),
+                    token_tile=tile))
+        print(f"rows {rows:4d}: " + "  ".join(f"{k} {v:6.2f}" for k, v in res.items()), flush=True)
+
+if __name__ == "__main__":
+    main()
