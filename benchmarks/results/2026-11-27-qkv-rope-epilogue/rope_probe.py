@@ -22,14 +22,21 @@ def timed(fn):
         best = min(best, s.elapsed_time(e) / 20 / 28 * 1e3)
     return best
 
+HIDDEN, NQ, NKV, HD = 1024, 16, 8, 128  # Qwen3-0.6B
+
+def layer_inputs(dev):
+    """8 copies of the qkv weight, cos/sin tables, the q and k norm weights."""
+    n = (NQ + 2 * NKV) * HD
+    weights = [(torch.randn(n, HIDDEN, device=dev) / 32).to(torch.bfloat16) for _ in range(8)]
+    angles = torch.rand(40960, 64, device=dev) * 6.3
+    qn = (1 + 0.1 * torch.randn(HD, device=dev)).to(torch.bfloat16)
+    return weights, angles.cos(), angles.sin(), qn, qn.clone()
+
 def main():
     dev = torch.device("cuda")
-    hidden, nq, nkv, hd = 1024, 16, 8, 128
+    hidden, nq, nkv, hd = HIDDEN, NQ, NKV, HD
     n = (nq + 2 * nkv) * hd
-    weights = [(torch.randn(n, hidden, device=dev) / 32).to(torch.bfloat16) for _ in range(8)]
-    angles = torch.rand(40960, 64, device=dev) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    qn = (1 + 0.1 * torch.randn(hd, device=dev)).to(torch.bfloat16); kn = qn.clone()
+    weights, cos, sin, qn, kn = layer_inputs(dev)
     for fp8 in (True, False):
         layout = KVCacheLayout(16, nkv, hd, torch.bfloat16, fp8=fp8)
         caches = [layout.allocate(4096, dev) for _ in range(4)]

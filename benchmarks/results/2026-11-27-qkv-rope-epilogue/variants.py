@@ -5,16 +5,13 @@ import os, sys, torch
 from minivllm.worker import hopper_gemm, ops, pdl
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 sys.path.insert(0, "benchmarks/results/2026-11-27-qkv-rope-epilogue")
-from rope_probe import timed
+from rope_probe import HD, HIDDEN, NKV, NQ, layer_inputs, timed
 
 def main():
     dev = torch.device("cuda")
-    hidden, nq, nkv, hd = 1024, 16, 8, 128
+    hidden, nq, nkv, hd = HIDDEN, NQ, NKV, HD
     n = (nq + 2 * nkv) * hd
-    weights = [(torch.randn(n, hidden, device=dev) / 32).to(torch.bfloat16) for _ in range(8)]
-    angles = torch.rand(40960, 64, device=dev) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    qn = (1 + 0.1 * torch.randn(hd, device=dev)).to(torch.bfloat16); kn = qn.clone()
+    weights, cos, sin, qn, kn = layer_inputs(dev)
     layout = KVCacheLayout(16, nkv, hd, torch.bfloat16, fp8=True)
     caches = [layout.allocate(4096, dev) for _ in range(4)]
     folder = next(a for a in sys.argv[1:] if not a.startswith("--"))
