@@ -20,10 +20,20 @@
 // registers. The epilogue returns silu(gate) * up [tokens, n / 2] from the float sums: SiLU-and-mul's
 // kernel goes, and so does half of the projection's output.
 //
+// ROPE (an attention layer's qkv projection, heads of 128): a CTA takes one head's 128 rows whole,
+// and the consumers split the rows instead of K: consumer 0 multiplies the head's dims 0-63 over every
+// chunk of K, consumer 1 its dims 64-127, from the same x chunk. The epilogue then does what
+// ops.norm_rope would do in a kernel of its own after the projection: q and k heads are RMS-normed
+// (Qwen3's q/k norm) and rotated by RoPE (a dim's partner, d +- 64, is the other consumer's), k and v
+// heads are written to the paged KV cache (bf16, or e4m3 with a scale per token and head), and y gets
+// the rotated q and k and the plain v. Two idle producer warps meanwhile copy the tile's positions'
+// cos/sin into shared memory, so the epilogue waits for no load but its staged sums.
+//
 // Built by worker/hopper_gemm.py with nvcc and called through ctypes.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 #include <stdint.h>
@@ -164,6 +174,25 @@ __device__ __forceinline__ void wgmma_bf16<256>(float (&d)[128], uint64_t desc_a
                : "l"(desc_a), "l"(desc_b));
 }
 
+// ROPE's inputs (hopper_gemm.py's RopeParams mirrors this struct). Cache strides are in elements of
+// the cache's type (bytes for e4m3), as triton_attention.cache_strides gives them.
+struct RopeParams {
+  const int64_t* positions;     // [num_tokens]
+  const int64_t* slot_mapping;  // [num_tokens]; -1: a padding row, stored nowhere
+  const float* cos_cache;       // [max_position, 64]
+  const float* sin_cache;
+  const __nv_bfloat16* q_norm;  // [128], or null: no q/k norm
+  const __nv_bfloat16* k_norm;
+  void* k_cache;                // bf16 or e4m3
+  void* v_cache;
+  float* k_scale;               // e4m3 only
+  float* v_scale;
+  int64_t block_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, v_dim_stride;
+  int64_t scale_block_stride, scale_slot_stride, scale_head_stride;
+  float eps;
+  int num_q_heads, num_kv_heads, block_size, fp8;
+};
+
 struct Params {
   __nv_bfloat16* y;
   int64_t y_stride;  // elements between rows of y
@@ -171,6 +200,7 @@ struct Params {
   int num_chunks;    // K / 64
   int num_token_tiles;
   int up_row0;       // GATED: the first up row (n / 2)
+  RopeParams rope;   // ROPE only
 };
 
 constexpr int kThreads = 384;          // a producer warpgroup and two consumer warpgroups
@@ -179,7 +209,9 @@ constexpr int kFewStages = 8;
 
 // Shared memory for token tile BT and SW weight stages: the weight ring, the activation ring (SX
 // stages), then the barriers.
-template <int BT, int SW, bool GATED = false>
+constexpr int kRopeRowFloats = 132;  // a staged ROPE token row: 128 dims + 4 of padding (no bank conflicts)
+
+template <int BT, int SW, bool GATED = false, bool ROPE = false>
 struct Layout {
   // x's chunks are small in narrow tiles (2 KB at 16 tokens), and each refill waits a round trip
   // after the chunk before it in that stage is consumed: more of them in flight there.
@@ -192,7 +224,10 @@ struct Layout {
   static constexpr int kXChunkBytes = BT * 128;
   static constexpr int kW = 0;
   static constexpr int kX = SW * kWChunkBytes;
-  static constexpr int kBars = kX + SX * kXChunkBytes;
+  // ROPE: the tile's cos and sin as bf16 [token][64] each, then its slots, filled during the main loop.
+  static constexpr int kCosSin = kX + SX * kXChunkBytes;
+  static constexpr int kSlots = kCosSin + (ROPE ? BT * 256 : 0);
+  static constexpr int kBars = kSlots + (ROPE ? BT * 8 : 0);
   static constexpr int kBytes = kBars + 16 * (SW + SX) + 1024;  // + alignment slack
   static_assert(kBytes <= kSharedLimit, "shared memory");
   static_assert(BT * kOutRowBytes <= SW * kWChunkBytes, "the output is staged in the weight stages");
@@ -201,13 +236,14 @@ struct Layout {
   static_assert(!GATED || BT * 256 <= SW * kWChunkBytes, "consumer 0's sums wait in the weight stages");
   static_assert(!GATED || BT * (256 + kGatedOutRowBytes) <= SX * kXChunkBytes,
                 "the gated output is staged in the activation stages, after consumer 1's sums");
+  static_assert(!ROPE || (!GATED && BT * kRopeRowFloats * 4 <= kCosSin), "ROPE stages its sums in both rings");
 };
 
 // The most weight stages (an even number) that fit beside token tile BT's activation ring (at most 24).
-template <int BT>
+template <int BT, bool ROPE = false>
 constexpr int max_stages() {
   int stages = 24;
-  while (Layout<BT, 8>::kBytes + (stages - 8) * (kWChunkBytes + 16) > kSharedLimit) stages -= 2;
+  while (Layout<BT, 8, false, ROPE>::kBytes + (stages - 8) * (kWChunkBytes + 16) > kSharedLimit) stages -= 2;
   return stages;
 }
 
@@ -226,11 +262,160 @@ __device__ __forceinline__ void store_tile(const uint8_t* stage, __nv_bfloat16* 
   }
 }
 
-template <int BT, int SW, bool GATED>
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+
+__device__ __forceinline__ void unpack_bf16x4(uint2 packed, float (&out)[4]) {
+  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&packed.x);
+  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&packed.y);
+  out[0] = __low2float(lo), out[1] = __high2float(lo), out[2] = __low2float(hi), out[3] = __high2float(hi);
+}
+
+__device__ __forceinline__ uint2 pack_bf16x4(const float (&x)[4]) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(x[0], x[1]), hi = __floats2bfloat162_rn(x[2], x[3]);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+// A warp's head vector (lane l: dims 4 l .. 4 l + 3) as e4m3 with one scale, as kv_cache.quantize
+// does it: NaN as 0, infinities clamped, scale = max(amax / 448, 1e-12).
+__device__ __forceinline__ uint32_t quantize_e4m3(const float (&x)[4], float& scale) {
+  float v[4], amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[k] = x[k] == x[k] ? fminf(fmaxf(x[k], -3.402823466e38f), 3.402823466e38f) : 0.f;
+    amax = fmaxf(amax, fabsf(v[k]));
+  }
+  scale = fmaxf(__fdiv_rn(warp_max(amax), 448.f), 1e-12f);
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[0], scale), __fdiv_rn(v[1], scale)),
+                                                          __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[2], scale), __fdiv_rn(v[3], scale)),
+                                                          __NV_SATFINITE, __NV_E4M3);
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// ROPE's producer warps 2-3 (64 threads), during the main loop: the tile's cos/sin at each token's
+// position, rounded to bf16 as norm_rope rounds them, and its slots, into shared memory.
+template <int BT>
+__device__ __forceinline__ void stage_cos_sin(uint8_t* smem_cos_sin, int64_t* smem_slots, const Params& p,
+                                              int first_token) {
+  const RopeParams& r = p.rope;
+  const int t64 = threadIdx.x - 64;
+  __nv_bfloat162* cos_sin = reinterpret_cast<__nv_bfloat162*>(smem_cos_sin);  // [token][cos 32 pairs | sin 32 pairs]
+  for (int i = t64; i < BT * 32; i += 64) {
+    const int t = i / 32, pair = i % 32, token = first_token + t;
+    if (token >= p.num_tokens) break;  // (i grows with t)
+    const int64_t at = r.positions[token] * 64 + 2 * pair;
+    const float2 c = *reinterpret_cast<const float2*>(r.cos_cache + at);
+    const float2 s = *reinterpret_cast<const float2*>(r.sin_cache + at);
+    cos_sin[t * 64 + pair] = __floats2bfloat162_rn(c.x, c.y);
+    cos_sin[t * 64 + 32 + pair] = __floats2bfloat162_rn(s.x, s.y);
+  }
+  for (int t = t64; t < BT; t += 64) smem_slots[t] = first_token + t < p.num_tokens ? r.slot_mapping[first_token + t] : -1;
+}
+
+// ROPE's epilogue. Consumer c holds head dims 64 c + [0, 64) for the tile's tokens (wgmma's layout);
+// both stage their float sums [token][dim], then each of the 8 consumer warps takes every 8th token:
+// lane l holds dims 4 l .. 4 l + 3, whose RoPE partners are lane l ^ 16's. The arithmetic is
+// ops.norm_rope's, from the projection's bf16 rounding on: x = bf16(sum); normed = bf16(bf16(x *
+// rstd) * w); q/k = bf16(bf16(x cos) -+ bf16(x' sin)).
+template <int BT>
+__device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* tile, const uint8_t* smem_cos_sin,
+                                              const int64_t* smem_slots, const Params& p, int head, int first_token,
+                                              int consumer, int tid) {
+  const RopeParams& r = p.rope;
+  const int warp = tid / 32, lane = tid % 32;
+  {
+    const int r0 = consumer * 64 + warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+      const int t = 8 * j + c0;
+      tile[t * kRopeRowFloats + r0] = d[4 * j];
+      tile[(t + 1) * kRopeRowFloats + r0] = d[4 * j + 1];
+      tile[t * kRopeRowFloats + r0 + 8] = d[4 * j + 2];
+      tile[(t + 1) * kRopeRowFloats + r0 + 8] = d[4 * j + 3];
+    }
+  }
+  // Every consumer's sums staged, and the producer warps' cos/sin and slots (they arrive on barrier 2).
+  asm volatile("bar.sync 2, 320;\n" ::: "memory");
+  const bool is_q = head < r.num_q_heads, is_k = !is_q && head < r.num_q_heads + r.num_kv_heads;
+  const int kv_head = is_k ? head - r.num_q_heads : head - r.num_q_heads - r.num_kv_heads;
+  const __nv_bfloat16* norm = is_q ? r.q_norm : r.k_norm;
+  float weight[4];
+  if (norm != nullptr && (is_q || is_k)) unpack_bf16x4(reinterpret_cast<const uint2*>(norm)[lane], weight);
+  const int epilogue_warp = (threadIdx.x - 128) / 32;
+  const int rot = 4 * (lane % 16);  // the angle index of this lane's first dim (dims d and d + 64 share it)
+  for (int t = epilogue_warp; t < BT; t += 8) {
+    const int token = first_token + t;
+    if (token >= p.num_tokens) break;
+    const float4 sums = *reinterpret_cast<const float4*>(tile + t * kRopeRowFloats + 4 * lane);
+    float x[4] = {round_bf16(sums.x), round_bf16(sums.y), round_bf16(sums.z), round_bf16(sums.w)};
+    if (is_q || is_k) {
+      if (norm != nullptr) {
+        const float rstd = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + r.eps);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) x[k] = round_bf16(round_bf16(x[k] * rstd) * weight[k]);
+      }
+      float c[4], s[4];
+      const uint8_t* row = smem_cos_sin + t * 256;
+      unpack_bf16x4(*reinterpret_cast<const uint2*>(row + 2 * rot), c);
+      unpack_bf16x4(*reinterpret_cast<const uint2*>(row + 128 + 2 * rot), s);
+      float partner[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) partner[k] = __shfl_xor_sync(0xffffffffu, x[k], 16);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float xc = round_bf16(x[k] * c[k]), ps = round_bf16(partner[k] * s[k]);
+        x[k] = round_bf16(lane < 16 ? xc - ps : xc + ps);  // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
+      }
+    }
+    *reinterpret_cast<uint2*>(p.y + static_cast<int64_t>(token) * p.y_stride + head * 128 + 4 * lane) = pack_bf16x4(x);
+    const int64_t slot = smem_slots[t];
+    if (is_q || slot < 0) continue;
+    const int64_t block = slot / r.block_size, offset = slot % r.block_size;
+    if (r.fp8) {
+      float scale;
+      const uint32_t bytes = quantize_e4m3(x, scale);
+      const int64_t scale_at = block * r.scale_block_stride + offset * r.scale_slot_stride + kv_head * r.scale_head_stride;
+      if (is_k) {
+        uint8_t* keys = static_cast<uint8_t*>(r.k_cache) + block * r.block_stride + offset * r.k_slot_stride +
+                        kv_head * r.k_head_stride;
+        reinterpret_cast<uint32_t*>(keys)[lane] = bytes;
+        if (lane == 0) r.k_scale[scale_at] = scale;
+      } else {  // values are stored transposed: a dim's slots are consecutive bytes
+        uint8_t* values = static_cast<uint8_t*>(r.v_cache) + block * r.block_stride + offset * r.v_slot_stride +
+                          kv_head * r.v_head_stride + 4 * lane * r.v_dim_stride;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) values[k * r.v_dim_stride] = static_cast<uint8_t>(bytes >> (8 * k));
+        if (lane == 0) r.v_scale[scale_at] = scale;
+      }
+    } else {
+      __nv_bfloat16* cache = static_cast<__nv_bfloat16*>(is_k ? r.k_cache : r.v_cache) + block * r.block_stride +
+                             offset * (is_k ? r.k_slot_stride : r.v_slot_stride) +
+                             kv_head * (is_k ? r.k_head_stride : r.v_head_stride);
+      *reinterpret_cast<uint2*>(cache + 4 * lane) = pack_bf16x4(x);
+    }
+  }
+}
+
+template <int BT, int SW, bool GATED, bool ROPE>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map, const Params p) {
-  using L = Layout<BT, SW, GATED>;
+  using L = Layout<BT, SW, GATED, ROPE>;
   constexpr int SX = L::SX;
+  // The weight ring's chunks are [64 rows x 64 k]; a ROPE CTA's chunk of K is two of them (2 i: the
+  // head's dims 0-63, 2 i + 1: dims 64-127), so that consumer c still takes the ring's chunks c, c + 2, ...
+  const int w_chunks = ROPE ? 2 * p.num_chunks : p.num_chunks;
   // Consecutive CTAs share a weight tile (its token tiles), so its rows come from DRAM once.
   const int row_tile = blockIdx.x / p.num_token_tiles;
   const int token_tile = blockIdx.x % p.num_token_tiles;
@@ -251,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     for (int s = 0; s < SX; ++s) {
       mbar_init(x_full(s), 1);
-      mbar_init(x_empty(s), 4);
+      mbar_init(x_empty(s), ROPE ? 8 : 4);  // a ROPE CTA's x chunks go to both consumers
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -263,11 +448,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {  // the producer warpgroup: two threads issue the copies
     if (threadIdx.x == 0) {
       // Weights first, without waiting for the kernel ahead: they are no kernel's output.
-      for (int i = 0; i < p.num_chunks; ++i) {
+      for (int i = 0; i < w_chunks; ++i) {
         const int s = i % SW;
         mbar_wait(w_empty(s), ((i / SW) & 1) ^ 1);  // a fresh barrier counts as released
         mbar_expect_tx(w_full(s), kWChunkBytes);
-        if (GATED) {  // 32-row boxes: the swizzle follows the address, so two make one 64-row tile
+        if (ROPE) {
+          tma_load_2d(w_smem(s), &w_map, (i / 2) * kChunk, row_tile * 2 * kRows + (i % 2) * kRows, w_full(s));
+        } else if (GATED) {  // 32-row boxes: the swizzle follows the address, so two make one 64-row tile
           tma_load_2d(w_smem(s), &w_map, i * kChunk, row_tile * (kRows / 2), w_full(s));
           tma_load_2d(w_smem(s) + kWChunkBytes / 2, &w_map, i * kChunk, p.up_row0 + row_tile * (kRows / 2), w_full(s));
         } else {
@@ -284,6 +471,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_expect_tx(x_full(s), L::kXChunkBytes);
         tma_load_2d(x_smem(s), &x_map, i * kChunk, token_tile * BT, x_full(s));
       }
+    } else if (ROPE && threadIdx.x >= 64) {
+      // Step inputs, not the kernel ahead's output: read without waiting for it.
+      stage_cos_sin<BT>(shared_raw + (base - smem_u32(shared_raw)) + L::kCosSin,
+                        reinterpret_cast<int64_t*>(shared_raw + (base - smem_u32(shared_raw)) + L::kSlots), p,
+                        token_tile * BT);
+      asm volatile("bar.arrive 2, 320;\n" ::: "memory");
     }
     return;
   }
@@ -304,9 +497,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Each chunk's products are waited for before the next chunk's are issued: with a chunk still in
   // flight across the loop's back edge, ptxas serializes every wgmma (warning C7514). The other
   // consumer's products fill that wait.
-  for (int i = consumer; i < p.num_chunks; i += 2) {
-    const int ws = i % SW, xs = i % SX;
-    mbar_wait(w_full(ws), (i / SW) & 1);
+  for (int w = consumer; w < w_chunks; w += 2) {
+    const int i = ROPE ? w / 2 : w;  // the chunk of K
+    const int ws = w % SW, xs = i % SX;
+    mbar_wait(w_full(ws), (w / SW) & 1);
     mbar_wait(x_full(xs), (i / SX) & 1);
     wgmma_fence();
     const uint64_t w_desc = w_desc0 + ws * (kWChunkBytes >> 4);
@@ -329,6 +523,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* partial = reinterpret_cast<float*>(smem + L::kX);
   uint8_t* out_stage = smem + L::kW;
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  if constexpr (ROPE) {
+    rope_epilogue<BT>(d, reinterpret_cast<float*>(smem + L::kW), smem + L::kCosSin, reinterpret_cast<const int64_t*>(smem + L::kSlots),
+                      p, row_tile, token_tile * BT, consumer, tid);
+    return;
+  }
   if (consumer == 1) {
 #pragma unroll
     for (int j = 0; j < BT / 2; ++j) partial[j * 128 + tid] = d[j];
@@ -402,14 +601,14 @@ bool encode_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols
   return true;
 }
 
-template <int BT, int SW, bool GATED>
+template <int BT, int SW, bool GATED, bool ROPE = false>
 int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, int grid, bool pdl, cudaStream_t stream,
            char* error, int error_len) {
-  using L = Layout<BT, SW, GATED>;
+  using L = Layout<BT, SW, GATED, ROPE>;
   static bool configured = false;
   if (!configured) {
     cudaError_t err =
-        cudaFuncSetAttribute(gemm_kernel<BT, SW, GATED>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+        cudaFuncSetAttribute(gemm_kernel<BT, SW, GATED, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
     if (err != cudaSuccess) {
       snprintf(error, error_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(err));
       return 1;
@@ -426,7 +625,7 @@ int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, 
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW, GATED>, w_map, x_map, p);
+  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW, GATED, ROPE>, w_map, x_map, p);
   if (err != cudaSuccess) {
     snprintf(error, error_len, "launch: %s", cudaGetErrorString(err));
     return 1;
@@ -458,7 +657,7 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
       !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
     return 1;
   const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
-  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, n / 2};
+  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, n / 2, {}};
   const int grid = (n / kRows) * num_token_tiles;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define MINIVLLM_LAUNCH(BT, SW)                                                              \
@@ -475,5 +674,42 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
   }
 #undef MINIVLLM_TOKEN_TILE
 #undef MINIVLLM_LAUNCH
+  return 1;  // (unreachable: the tile was checked)
+}
+
+constexpr int kMaxRopeTile = 128;  // (wider tiles' cos/sin leave too little shared memory for the rings)
+
+// An attention layer's qkv projection with its epilogue (ROPE above): y [num_tokens, n] = x w^T with
+// n = (num_q_heads + 2 num_kv_heads) x 128, q and k normed and rotated in y, k and v stored in the
+// cache (rope's pointers and strides). token_tile: a multiple of 16 up to kMaxRopeTile; as many weight
+// stages as fit. Returns 0, or 1 with a message in error.
+extern "C" int minivllm_hopper_gemm_rope(void* y, int64_t y_stride, const void* x, int64_t x_stride, const void* w,
+                                         int64_t w_stride, int num_tokens, int n, int k, int token_tile,
+                                         const RopeParams* rope, int pdl, void* stream, char* error, int error_len) {
+  if (k % kChunk != 0 || num_tokens < 1 || n != (rope->num_q_heads + 2 * rope->num_kv_heads) * 2 * kRows) {
+    snprintf(error, error_len, "k must be a multiple of 64, num_tokens positive and n (%d) (q heads + 2 kv heads) x 128 "
+             "(%d q, %d kv heads), got k %d tokens %d", n, rope->num_q_heads, rope->num_kv_heads, k, num_tokens);
+    return 1;
+  }
+  if (token_tile % 16 != 0 || token_tile < 16 || token_tile > kMaxRopeTile) {
+    snprintf(error, error_len, "token_tile must be a multiple of 16 from 16 to %d, got %d", kMaxRopeTile, token_tile);
+    return 1;
+  }
+  CUtensorMap w_map, x_map;
+  if (!encode_map(&w_map, w, n, k, w_stride, kRows, error, error_len) ||
+      !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
+    return 1;
+  const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
+  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, 0, *rope};
+  const int grid = (n / (2 * kRows)) * num_token_tiles;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+#define MINIVLLM_TOKEN_TILE(BT) \
+  case BT:                      \
+    return launch<BT, max_stages<BT, true>(), false, true>(w_map, x_map, p, grid, pdl, s, error, error_len);
+  switch (token_tile) {
+    MINIVLLM_TOKEN_TILE(16) MINIVLLM_TOKEN_TILE(32) MINIVLLM_TOKEN_TILE(48) MINIVLLM_TOKEN_TILE(64)
+    MINIVLLM_TOKEN_TILE(80) MINIVLLM_TOKEN_TILE(96) MINIVLLM_TOKEN_TILE(112) MINIVLLM_TOKEN_TILE(128)
+  }
+#undef MINIVLLM_TOKEN_TILE
   return 1;  // (unreachable: the tile was checked)
 }

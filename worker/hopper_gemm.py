@@ -13,6 +13,11 @@ silu(gate) * up directly (linear's silu_mul: a CTA's 64 rows are 32 gate rows an
 their tails.
 
 Where it pays is measured, not assumed (benchmarks/RESULTS.md, 2026-11-27, fifteenth session).
+For an attention layer's qkv projection, linear_rope's epilogue also does ops.norm_rope's work:
+each CTA takes one head's 128 rows, norms (Qwen3) and rotates the q and k heads in its output, and
+stores this step's k and v in the paged KV cache (bf16, or e4m3 with scales), so that no kernel runs
+between the projection and attention. $MINIVLLM_HOPPER_GEMM_ROPE=0 keeps norm_rope (for measuring).
+
 It serves bfloat16 products without bias on compute capability 9.0, from MIN_ROWS to MAX_ROWS
 rows, with N and K multiples of 64 and at most MAX_WEIGHT_BYTES of weights; everything else stays
 on cuBLAS. No nvcc, or a failed build: the worker logs why once and stays on cuBLAS.
@@ -31,9 +36,11 @@ import torch
 
 from minivllm.worker import pdl
 from minivllm.worker.attention.cuda_build import library_or_none
+from minivllm.worker.attention.kv_cache import KVCacheLayout
 
 ENABLED = os.environ.get("MINIVLLM_HOPPER_GEMM", "1") != "0"
 SILU_MUL = os.environ.get("MINIVLLM_HOPPER_GEMM_SILU_MUL", "1") != "0"
+ROPE = os.environ.get("MINIVLLM_HOPPER_GEMM_ROPE", "1")  # "0": off; "fp8": for FP8 caches only
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopper_gemm.cu")
 MIN_ROWS = 2  # one row is small_batch_gemm's GEMV
 MAX_ROWS = 256
@@ -43,12 +50,24 @@ MAX_ROWS = 256
 # tiles have not been measured against these.
 MAX_WEIGHT_BYTES = 16 << 20
 TOKEN_TILES = tuple(range(16, 257, 16))  # the source instantiates each (with few or with all weight stages)
+ROPE_TOKEN_TILES = tuple(range(16, 129, 16))  # and these for linear_rope (kMaxRopeTile)
+HEAD_DIM = 128  # linear_rope's heads
 _ERROR_BYTES = 512
 
 
 class Tiling(NamedTuple):
     token_tile: int
     many_stages: bool  # as many weight stages as fit beside the activation ring, else 8
+
+
+class RopeParams(ctypes.Structure):
+    """hopper_gemm.cu's RopeParams, field for field. Cache strides in elements of the cache's type."""
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "positions", "slot_mapping", "cos_cache", "sin_cache", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale",
+        "v_scale")] + [(name, ctypes.c_int64) for name in (
+            "block_stride", "k_slot_stride", "k_head_stride", "v_slot_stride", "v_head_stride", "v_dim_stride",
+            "scale_block_stride", "scale_slot_stride", "scale_head_stride")] + [
+        ("eps", ctypes.c_float)] + [(name, ctypes.c_int) for name in ("num_q_heads", "num_kv_heads", "block_size", "fp8")]
 
 
 def load_library(path: str) -> ctypes.CDLL:
@@ -58,6 +77,10 @@ def load_library(path: str) -> ctypes.CDLL:
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, ptr, ctypes.c_char_p, i32]
     fn.restype = i32
+    rope = lib.minivllm_hopper_gemm_rope
+    rope.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, i32, ctypes.POINTER(RopeParams), i32, ptr,
+                     ctypes.c_char_p, i32]
+    rope.restype = i32
     return lib
 
 
@@ -127,6 +150,82 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     rc = lib.minivllm_hopper_gemm(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
                                   weight.stride(0), num_tokens, n, k, how.token_tile, int(how.many_stages),
                                   int(silu_mul), int(pdl.enabled(x.device)), stream, error, _ERROR_BYTES)
+    if rc != 0:
+        raise RuntimeError(f"hopper_gemm: {error.value.decode()}")
+    return out
+
+
+class QkvRope(NamedTuple):
+    """What linear_rope's epilogue needs besides the product: the step's positions and slots (int64,
+    one per row), RoPE's cos/sin tables [max_position, 64] (fp32), Qwen3's q/k norm weights (None:
+    none), the head counts, and the layer's KV cache with its layout."""
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    num_q_heads: int
+    num_kv_heads: int
+    kv_cache: torch.Tensor
+    layout: KVCacheLayout
+
+
+def supports_rope(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, rope: QkvRope) -> bool:
+    """Whether linear_rope serves this qkv projection: supports() holds, heads of 128 dims rotated
+    whole, int64 positions and slots, and a bf16 or FP8 cache ($MINIVLLM_HOPPER_GEMM_ROPE=fp8: FP8 only)."""
+    layout = rope.layout
+    return (ROPE != "0" and (layout.fp8 or ROPE != "fp8") and supports(x, weight, bias)
+            and layout.head_dim == HEAD_DIM and weight.shape[0] == (rope.num_q_heads + 2 * rope.num_kv_heads) * HEAD_DIM
+            and rope.cos_cache.shape[-1] == HEAD_DIM // 2
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (rope.cos_cache, rope.sin_cache))
+            and all(t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == x.shape[0]
+                    for t in (rope.positions, rope.slot_mapping))
+            and all(t is None or (t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[0] == HEAD_DIM)
+                    for t in (rope.q_norm, rope.k_norm))
+            and (layout.fp8 or layout.dtype == torch.bfloat16))
+
+
+def rope_token_tile(num_tokens: int, num_heads: int, num_sms: int) -> int:
+    """linear_rope's token tile: tiling()'s rule with a CTA per head (128 rows), in tiles of at most 128."""
+    token_tiles = max(1, num_sms // num_heads)
+    tile = min(ROPE_TOKEN_TILES[-1], -(-(-(-num_tokens // token_tiles)) // 16) * 16)
+    return max(tile, 32) if num_tokens > 64 else tile
+
+
+def linear_rope(x: torch.Tensor, weight: torch.Tensor, rope: QkvRope, out: torch.Tensor | None = None,
+                token_tile: int | None = None) -> torch.Tensor:
+    """qkv [T, N] = x [T, K] @ weight [N, K]^T (N = (q heads + 2 kv heads) x 128, see supports_rope)
+    with q and k as ops.norm_rope leaves them (normed, rotated) and this step's k and v written to
+    rope.kv_cache at rope.slot_mapping, as norm_rope's kv_store would. token_tile overrides the rule's."""
+    lib = library()
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    if token_tile is None:
+        token_tile = rope_token_tile(num_tokens, n // HEAD_DIM, pdl.num_sms(x.device.index or 0))
+    views = rope.layout.split(rope.kv_cache)
+    key, value = views.key, views.value
+    if key.stride(3) != 1 or key.stride(0) != value.stride(0) or (not rope.layout.fp8 and value.stride(3) != 1):
+        raise ValueError(f"not kv_cache.py's layout: key strides {key.stride()}, value {value.stride()}")
+    scale_strides = views.key_scale.stride() if views.key_scale is not None else (0, 0, 0)
+
+    def address(t: torch.Tensor | None) -> int | None:
+        return t.data_ptr() if t is not None else None
+
+    params = RopeParams(
+        address(rope.positions), address(rope.slot_mapping), address(rope.cos_cache), address(rope.sin_cache),
+        address(rope.q_norm), address(rope.k_norm), key.data_ptr(), value.data_ptr(), address(views.key_scale),
+        address(views.value_scale), key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
+        value.stride(3), *scale_strides, rope.eps, rope.num_q_heads, rope.num_kv_heads, rope.layout.block_size,
+        int(rope.layout.fp8))
+    error = ctypes.create_string_buffer(_ERROR_BYTES)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = lib.minivllm_hopper_gemm_rope(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                       weight.stride(0), num_tokens, n, k, token_tile, ctypes.byref(params),
+                                       int(pdl.enabled(x.device)), stream, error, _ERROR_BYTES)
     if rc != 0:
         raise RuntimeError(f"hopper_gemm: {error.value.decode()}")
     return out

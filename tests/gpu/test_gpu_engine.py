@@ -75,6 +75,61 @@ def test_fp8_cache_decodes_in_cuda_graphs_as_eagerly(tiny_model_factory, max_num
     assert fp8_tokens() == fp8_tokens(enforce_eager=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU (the Hopper GEMM)")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
+def test_rope_in_the_qkv_projection_equals_norm_rope(tiny_model_factory, monkeypatch, kv_cache_dtype: str) -> None:
+    """On Hopper the qkv projection of a step of 2-256 tokens norms and rotates q/k and stores K/V
+    in its epilogue (hopper_gemm.linear_rope). The layers take it, and two steps (three prompts,
+    then a fourth after the first one's cached blocks, reading the K/V the first step stored) give
+    the logits of the projection followed by ops.norm_rope ($MINIVLLM_HOPPER_GEMM_ROPE=0), within
+    bf16 rounding (the two norms sum their squares in different orders)."""
+    from minivllm.worker import hopper_gemm
+
+    model_dir = tiny_model_factory("qwen3", head_dim=128)
+    calls = []
+    linear_rope = hopper_gemm.linear_rope
+    monkeypatch.setattr(hopper_gemm, "linear_rope", lambda *args, **kwargs: calls.append(1) or linear_rope(*args, **kwargs))
+    prompts = [[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([100, 5, 33])]
+    later = prompts[0][:96] + [(3 * j) % 400 + 1 for j in range(24)]
+
+    def step_logits(rope: str) -> list[torch.Tensor]:
+        monkeypatch.setattr(hopper_gemm, "ROPE", rope)
+        config = EngineConfig.create(model_dir, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                                     num_gpu_blocks=64, enforce_eager=True)
+        runner = ModelRunner(config)
+        runner.initialize_cache(64)
+        captured = []
+        compute_logits = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(compute_logits(h)) or captured[-1]
+        first_block = [0, 7, 10]  # each prompt's blocks from here on
+        new = [NewRequestData(req_id=str(i), prompt_token_ids=ids, output_token_ids=[], sampling_params=GREEDY,
+                              block_ids=list(range(first_block[i], first_block[i] + -(-len(ids) // 16))),
+                              num_computed_tokens=0) for i, ids in enumerate(prompts)]
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=[], num_scheduled_tokens={r.req_id: len(r.prompt_token_ids)
+                                                                                      for r in new},
+            total_num_scheduled_tokens=sum(map(len, prompts)), finished_req_ids=[]))
+        first = [captured[-1].float()]
+        # The fourth shares the first one's 6 full blocks (96 tokens) and computes the rest.
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(req_id="3", prompt_token_ids=later, output_token_ids=[],
+                                               sampling_params=GREEDY, block_ids=[0, 1, 2, 3, 4, 5, 20, 21],
+                                               num_computed_tokens=96)],
+            scheduled_cached_reqs=[], num_scheduled_tokens={"3": 24}, total_num_scheduled_tokens=24,
+            finished_req_ids=[]))
+        return first + [captured[-1].float()]
+
+    fused = step_logits("1")
+    assert calls, "the layers did not take linear_rope"
+    calls.clear()
+    plain = step_logits("0")
+    assert not calls
+    assert len(fused) == len(plain) == 2
+    for ours, theirs in zip(fused, plain):
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
 def test_worker_in_the_engine_process_equals_worker_processes(tiny_model_factory) -> None:
     """distributed_executor_backend="uni": the same CUDA graphs and steps in flight, no sockets."""
     model_dir = tiny_model_factory("qwen3")

@@ -208,3 +208,83 @@ def test_the_decoder_layers_mlp_takes_the_fused_kernel(rows: int, monkeypatch: p
     ref = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.double().T
     assert _relative_error(out, ref) < 1e-2
     assert _relative_error(unfused, ref) < 1e-2
+
+
+def _rope_case(rows: int, num_q_heads: int, num_kv_heads: int, fp8: bool, qk_norm: bool, seed: int):
+    """A qkv projection's inputs and the epilogue's (positions, a cache with some padding rows)."""
+    hopper_gemm = _gemm()
+    from minivllm.worker.attention.kv_cache import KVCacheLayout
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden, head_dim, max_position, block_size = 1024, 128, 4096, 16
+    n = (num_q_heads + 2 * num_kv_heads) * head_dim
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, hidden, device="cuda", generator=gen) / hidden**0.5).to(torch.bfloat16)
+    angles = torch.rand(max_position, head_dim // 2, device="cuda", generator=gen) * 6.3
+    positions = torch.randint(0, max_position, (rows,), device="cuda", generator=gen)
+    layout = KVCacheLayout(block_size, num_kv_heads, head_dim, torch.bfloat16, fp8=fp8)
+    num_blocks = rows // 4 + 8
+    slots = torch.randperm(num_blocks * block_size, device="cuda", generator=gen)[:rows]
+    slots[rows // 3::5] = -1  # padding rows: stored nowhere
+    norms = [(1 + 0.2 * torch.randn(head_dim, device="cuda", generator=gen)).to(torch.bfloat16) for _ in range(2)]
+
+    def rope(cache: torch.Tensor):
+        return hopper_gemm.QkvRope(positions, slots, angles.cos(), angles.sin(), *(norms if qk_norm else (None, None)),
+                                   1e-6, num_q_heads, num_kv_heads, cache, layout)
+
+    return x, weight, layout, num_blocks, rope
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("heads,qk_norm", [((16, 8), True), ((4, 2), False), ((8, 1), True)])
+@pytest.mark.parametrize("rows", [2, 37, 100, 256])
+def test_linear_rope_equals_the_projection_then_norm_rope(fp8: bool, heads: tuple[int, int], qk_norm: bool,
+                                                          rows: int) -> None:
+    """linear_rope leaves what the plain kernel and ops.norm_rope (with its K/V store) leave: q and k
+    normed and rotated in the output, v as projected, this step's K/V in their slots of the cache
+    (padding rows stored nowhere, other slots untouched), at every token tile it has."""
+    hopper_gemm = _gemm()
+    from minivllm.worker import ops
+    from minivllm.worker.attention.kv_cache import gather
+
+    num_q_heads, num_kv_heads = heads
+    x, weight, layout, num_blocks, rope = _rope_case(rows, num_q_heads, num_kv_heads, fp8, qk_norm, rows)
+    ref_cache = layout.allocate(num_blocks, torch.device("cuda"))
+    r = rope(ref_cache)
+    ref = hopper_gemm.linear(x, weight)
+    q, k, v = ref.split([num_q_heads * 128, num_kv_heads * 128, num_kv_heads * 128], dim=-1)
+    ops.norm_rope(q.view(rows, num_q_heads, 128), k.view(rows, num_kv_heads, 128), r.positions, r.cos_cache,
+                  r.sin_cache, r.q_norm, r.k_norm, r.eps,
+                  kv_store=(v.view(rows, num_kv_heads, 128), ref_cache, r.slot_mapping, layout))
+    stored = r.slot_mapping[r.slot_mapping >= 0]
+    others = torch.tensor(sorted(set(range(num_blocks * 16)) - set(stored.tolist())), device="cuda")
+    ref_k, ref_v = gather(layout.split(ref_cache), stored, torch.float32)
+    assert hopper_gemm.supports_rope(x, weight, None, r)
+    rule = hopper_gemm.rope_token_tile(rows, num_q_heads + 2 * num_kv_heads, 132)
+    for tile in sorted({16, 64, 128, rule}):
+        cache = layout.allocate(num_blocks, torch.device("cuda"))
+        out = torch.full_like(ref, float("nan"))
+        hopper_gemm.linear_rope(x, weight, rope(cache), out=out, token_tile=tile)
+        # The two kernels sum K in different orders, so a sum may round to the next bf16 (and the
+        # norm's sum of squares differs in order too): within a few bf16 steps, most bits equal.
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2, msg=f"tile {tile}")
+        assert (out == ref).float().mean() > 0.97, tile
+        keys, values = gather(layout.split(cache), stored, torch.float32)
+        step = 0.13 if fp8 else 2e-2  # e4m3 keeps 3 mantissa bits
+        torch.testing.assert_close(keys, ref_k, rtol=step, atol=step * ref_k.abs().amax().item() / 8, msg=f"tile {tile}")
+        torch.testing.assert_close(values, ref_v, rtol=step, atol=step * ref_v.abs().amax().item() / 8,
+                                   msg=f"tile {tile}")
+        untouched_k, untouched_v = gather(layout.split(cache), others, torch.float32)
+        assert not untouched_k.any() and not untouched_v.any(), tile
+
+
+def test_linear_rope_serves_only_what_it_can() -> None:
+    hopper_gemm = _gemm()
+    x, weight, layout, num_blocks, rope = _rope_case(64, 16, 8, True, True, 0)
+    r = rope(layout.allocate(num_blocks, torch.device("cuda")))
+    assert hopper_gemm.supports_rope(x, weight, None, r)
+    assert not hopper_gemm.supports_rope(x, weight, None, r._replace(num_q_heads=15))  # n is not its heads
+    assert not hopper_gemm.supports_rope(x, weight, None, r._replace(positions=r.positions.int()))
+    assert not hopper_gemm.supports_rope(x, weight, None, r._replace(cos_cache=r.cos_cache[:, :32]))  # partial rotary
+    assert not hopper_gemm.supports_rope(x[:1], weight, None, r._replace(positions=r.positions[:1],
+                                                                          slot_mapping=r.slot_mapping[:1]))

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.worker import cpu_gemm, ops
+from minivllm.worker import cpu_gemm, hopper_gemm, ops
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata, RopeInputs
 from minivllm.worker.distributed import get_tp_rank, get_tp_world_size, is_first_stage, is_last_stage, pp_layer_range
 from minivllm.worker.models.parallel_layers import (
@@ -183,6 +183,27 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, max_position)
         self.attn_backend = attn_backend
 
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                norm: nn.Module, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(qkv_proj(norm(hidden_states + residual)), the residual stream, rotated). Where the Hopper
+        GEMM serves the projection (a step of 2-256 tokens on an H100), its epilogue also norms and
+        rotates q and k and stores this step's k and v in the cache (hopper_gemm.linear_rope):
+        `rotated` says so, and forward() then skips that work."""
+        weight = self.qkv_proj.weight
+        if (hopper_gemm.ROPE != "0" and self.attn_backend.stores_kv_with_rope
+                and hopper_gemm.supports(hidden_states, weight, self.qkv_proj.bias)):
+            q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.use_qk_norm else (None, None)
+            rope = hopper_gemm.QkvRope(
+                positions, attn_metadata.slot_mapping, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache, q_norm,
+                k_norm, self.q_norm.eps if self.use_qk_norm else 0.0, self.num_heads, self.num_kv_heads, kv_cache,
+                attn_metadata.layout(kv_cache))
+            if hopper_gemm.supports_rope(hidden_states, weight, self.qkv_proj.bias, rope):
+                normed, residual = ops.add_rms_norm(hidden_states, norm.weight, norm.eps, residual)
+                return hopper_gemm.linear_rope(normed, weight, rope), residual, True
+        qkv, residual = self.qkv_proj.forward_normed(hidden_states, residual, norm)
+        return qkv, residual, False
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -190,39 +211,44 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         output_rows: OutputRows | None = None,
+        rotated: bool = False,
     ) -> torch.Tensor:
-        """Attention from the qkv projection's output (the decoder layer runs qkv_proj, fused with
-        the norm before it). With output_rows, every token's K/V is stored but only those rows
-        attend, and only their outputs come back (worker/output_rows.py)."""
+        """Attention from the qkv projection's output (project() runs qkv_proj, fused with the norm
+        before it; rotated: q and k come normed and rotated, and k and v are in the cache). With
+        output_rows, every token's K/V is stored but only those rows attend, and only their outputs
+        come back (worker/output_rows.py)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.attn_backend.rotates_in_decode and attn_metadata.max_query_len == 1 and q.is_cuda:
+        if not rotated and self.attn_backend.rotates_in_decode and attn_metadata.max_query_len == 1 and q.is_cuda:
             # A decode step's attention norms, rotates and stores this step's q/k itself (the
             # RoPE kernel's launch saved: ~3 us a layer at batch 1).
             rope = RopeInputs(k, v, positions, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
                               *((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.use_qk_norm else ()))
             out = self.attn_backend.decode_rotating(q, kv_cache, attn_metadata, self.scale, rope)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
-        # The RoPE kernel can write k and v to the cache as it goes (a kernel fewer per layer).
-        kv_store = None
-        if self.attn_backend.stores_kv_with_rope and q.is_cuda:
-            kv_store = (v, kv_cache, attn_metadata.slot_mapping, attn_metadata.layout(kv_cache))
-        if self.use_qk_norm:
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=kv_store)
-        else:
-            q, k = self.rotary_emb(positions, q, k, kv_store=kv_store)
+        kv_stored = rotated
+        if not rotated:
+            # The RoPE kernel can write k and v to the cache as it goes (a kernel fewer per layer).
+            kv_store = None
+            if self.attn_backend.stores_kv_with_rope and q.is_cuda:
+                kv_store = (v, kv_cache, attn_metadata.slot_mapping, attn_metadata.layout(kv_cache))
+            if self.use_qk_norm:
+                q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, kv_store=kv_store)
+            else:
+                q, k = self.rotary_emb(positions, q, k, kv_store=kv_store)
+            kv_stored = kv_store is not None
         if output_rows is not None:
-            if kv_store is None:
+            if not kv_stored:
                 self.attn_backend.store(k, v, kv_cache, attn_metadata)
             rows = output_rows.indices
             if not rows.shape[0]:  # a chunk that samples nothing: its K/V was all this layer owed
                 return qkv.new_empty((0, self.hidden_size))
             out = self.attn_backend.attend(q[rows], kv_cache, output_rows.metadata, self.scale)
             return self.o_proj(out.reshape(rows.shape[0], self.q_size))
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, kv_stored=kv_store is not None)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, kv_stored=kv_stored)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -281,8 +307,9 @@ class LlamaDecoderLayer(nn.Module):
         them. The first layer gets residual None: its input is the residual stream. Each norm
         runs together with the projection after it (one kernel at batch 1 on CUDA).
         output_rows: the attention and the MLP run only for those rows, which alone come back."""
-        qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden_states, residual, self.input_layernorm)
-        hidden_states = self.self_attn(positions, qkv, kv_cache, attn_metadata, output_rows)
+        qkv, residual, rotated = self.self_attn.project(positions, hidden_states, residual, self.input_layernorm,
+                                                        kv_cache, attn_metadata)
+        hidden_states = self.self_attn(positions, qkv, kv_cache, attn_metadata, output_rows, rotated)
         if output_rows is not None:
             if not hidden_states.shape[0]:
                 return hidden_states, hidden_states
