@@ -174,7 +174,7 @@ __device__ __forceinline__ void wgmma_bf16<256>(float (&d)[128], uint64_t desc_a
                : "l"(desc_a), "l"(desc_b));
 }
 
-// ROPE's inputs (hopper_gemm.py's RopeParams mirrors this struct). Cache strides are in elements of
+// ROPE's inputs, a kernel parameter of their own (hopper_gemm.py's RopeParams mirrors this struct). Cache strides are in elements of
 // the cache's type (bytes for e4m3), as triton_attention.cache_strides gives them.
 struct RopeParams {
   const int64_t* positions;     // [num_tokens]
@@ -200,7 +200,6 @@ struct Params {
   int num_chunks;    // K / 64
   int num_token_tiles;
   int up_row0;       // GATED: the first up row (n / 2)
-  RopeParams rope;   // ROPE only
 };
 
 constexpr int kThreads = 384;          // a producer warpgroup and two consumer warpgroups
@@ -308,8 +307,7 @@ __device__ __forceinline__ uint32_t quantize_e4m3(const float (&x)[4], float& sc
 // position, rounded to bf16 as norm_rope rounds them, and its slots, into shared memory.
 template <int BT>
 __device__ __forceinline__ void stage_cos_sin(uint8_t* smem_cos_sin, int64_t* smem_slots, const Params& p,
-                                              int first_token) {
-  const RopeParams& r = p.rope;
+                                              const RopeParams& r, int first_token) {
   const int t64 = threadIdx.x - 64;
   __nv_bfloat162* cos_sin = reinterpret_cast<__nv_bfloat162*>(smem_cos_sin);  // [token][cos 32 pairs | sin 32 pairs]
   for (int i = t64; i < BT * 32; i += 64) {
@@ -331,9 +329,8 @@ __device__ __forceinline__ void stage_cos_sin(uint8_t* smem_cos_sin, int64_t* sm
 // rstd) * w); q/k = bf16(bf16(x cos) -+ bf16(x' sin)).
 template <int BT>
 __device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* tile, const uint8_t* smem_cos_sin,
-                                              const int64_t* smem_slots, const Params& p, int head, int first_token,
-                                              int consumer, int tid) {
-  const RopeParams& r = p.rope;
+                                              const int64_t* smem_slots, const Params& p, const RopeParams& r,
+                                              int head, int first_token, int consumer, int tid) {
   const int warp = tid / 32, lane = tid % 32;
   {
     const int r0 = consumer * 64 + warp * 16 + lane / 4, c0 = 2 * (lane % 4);
@@ -410,7 +407,8 @@ __device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* t
 
 template <int BT, int SW, bool GATED, bool ROPE>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map, const Params p) {
+    gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map, const Params p,
+                const __grid_constant__ RopeParams rope) {
   using L = Layout<BT, SW, GATED, ROPE>;
   constexpr int SX = L::SX;
   // The weight ring's chunks are [64 rows x 64 k]; a ROPE CTA's chunk of K is two of them (2 i: the
@@ -474,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (ROPE && threadIdx.x >= 64) {
       // Step inputs, not the kernel ahead's output: read without waiting for it.
       stage_cos_sin<BT>(shared_raw + (base - smem_u32(shared_raw)) + L::kCosSin,
-                        reinterpret_cast<int64_t*>(shared_raw + (base - smem_u32(shared_raw)) + L::kSlots), p,
+                        reinterpret_cast<int64_t*>(shared_raw + (base - smem_u32(shared_raw)) + L::kSlots), p, rope,
                         token_tile * BT);
       asm volatile("bar.arrive 2, 320;\n" ::: "memory");
     }
@@ -525,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   if constexpr (ROPE) {
     rope_epilogue<BT>(d, reinterpret_cast<float*>(smem + L::kW), smem + L::kCosSin, reinterpret_cast<const int64_t*>(smem + L::kSlots),
-                      p, row_tile, token_tile * BT, consumer, tid);
+                      p, rope, row_tile, token_tile * BT, consumer, tid);
     return;
   }
   if (consumer == 1) {
@@ -603,7 +601,7 @@ bool encode_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols
 
 template <int BT, int SW, bool GATED, bool ROPE = false>
 int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, int grid, bool pdl, cudaStream_t stream,
-           char* error, int error_len) {
+           char* error, int error_len, const RopeParams& rope = RopeParams{}) {
   using L = Layout<BT, SW, GATED, ROPE>;
   static bool configured = false;
   if (!configured) {
@@ -625,7 +623,7 @@ int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, 
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW, GATED, ROPE>, w_map, x_map, p);
+  cudaError_t err = cudaLaunchKernelEx(&config, gemm_kernel<BT, SW, GATED, ROPE>, w_map, x_map, p, rope);
   if (err != cudaSuccess) {
     snprintf(error, error_len, "launch: %s", cudaGetErrorString(err));
     return 1;
@@ -657,7 +655,7 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
       !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
     return 1;
   const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
-  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, n / 2, {}};
+  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, n / 2};
   const int grid = (n / kRows) * num_token_tiles;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define MINIVLLM_LAUNCH(BT, SW)                                                              \
@@ -700,12 +698,12 @@ extern "C" int minivllm_hopper_gemm_rope(void* y, int64_t y_stride, const void* 
       !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
     return 1;
   const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
-  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, 0, *rope};
+  const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, 0};
   const int grid = (n / (2 * kRows)) * num_token_tiles;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define MINIVLLM_TOKEN_TILE(BT) \
   case BT:                      \
-    return launch<BT, max_stages<BT, true>(), false, true>(w_map, x_map, p, grid, pdl, s, error, error_len);
+    return launch<BT, max_stages<BT, true>(), false, true>(w_map, x_map, p, grid, pdl, s, error, error_len, *rope);
   switch (token_tile) {
     MINIVLLM_TOKEN_TILE(16) MINIVLLM_TOKEN_TILE(32) MINIVLLM_TOKEN_TILE(48) MINIVLLM_TOKEN_TILE(64)
     MINIVLLM_TOKEN_TILE(80) MINIVLLM_TOKEN_TILE(96) MINIVLLM_TOKEN_TILE(112) MINIVLLM_TOKEN_TILE(128)
