@@ -8,7 +8,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.protocol.config import EngineConfig, first_gpu
-from minivllm.protocol.messages import NewRequestData, SchedulerOutput
+from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -80,9 +80,9 @@ def test_fp8_cache_decodes_in_cuda_graphs_as_eagerly(tiny_model_factory, max_num
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
 def test_rope_in_the_qkv_projection_equals_norm_rope(tiny_model_factory, monkeypatch, kv_cache_dtype: str) -> None:
     """On Hopper the qkv projection of a step of 2-256 tokens norms and rotates q/k and stores K/V
-    in its epilogue (hopper_gemm.linear_rope). The layers take it, and two steps (three prompts,
-    then a fourth after the first one's cached blocks, reading the K/V the first step stored) give
-    the logits of the projection followed by ops.norm_rope ($MINIVLLM_HOPPER_GEMM_ROPE=0), within
+    in its epilogue (hopper_gemm.linear_rope). The layers take it, and three steps (three prompts;
+    a fourth after the first one's cached blocks, reading the K/V the first step stored; a decode
+    step of the first three) give the logits of the projection followed by ops.norm_rope ($MINIVLLM_HOPPER_GEMM_ROPE=0), within
     bf16 rounding (the two norms sum their squares in different orders)."""
     from minivllm.worker import hopper_gemm
 
@@ -107,8 +107,8 @@ def test_rope_in_the_qkv_projection_equals_norm_rope(tiny_model_factory, monkeyp
                               block_ids=list(range(first_block[i], first_block[i] + -(-len(ids) // 16))),
                               num_computed_tokens=0) for i, ids in enumerate(prompts)]
         runner.execute_model(SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=[], num_scheduled_tokens={r.req_id: len(r.prompt_token_ids)
-                                                                                      for r in new},
+            scheduled_new_reqs=new, scheduled_cached_reqs=[],
+            num_scheduled_tokens={r.req_id: r.num_prompt_tokens for r in new},
             total_num_scheduled_tokens=sum(map(len, prompts)), finished_req_ids=[]))
         first = [captured[-1].float()]
         # The fourth shares the first one's 6 full blocks (96 tokens) and computes the rest.
@@ -118,14 +118,20 @@ def test_rope_in_the_qkv_projection_equals_norm_rope(tiny_model_factory, monkeyp
                                                num_computed_tokens=96)],
             scheduled_cached_reqs=[], num_scheduled_tokens={"3": 24}, total_num_scheduled_tokens=24,
             finished_req_ids=[]))
-        return first + [captured[-1].float()]
+        second = [captured[-1].float()]
+        # A decode step of the first three (their next token fits their last block).
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=[CachedRequestData(str(i), [], len(ids))
+                                                          for i, ids in enumerate(prompts)],
+            num_scheduled_tokens={str(i): 1 for i in range(3)}, total_num_scheduled_tokens=3, finished_req_ids=[]))
+        return first + second + [captured[-1].float()]
 
     fused = step_logits("1")
     assert calls, "the layers did not take linear_rope"
     calls.clear()
     plain = step_logits("0")
     assert not calls
-    assert len(fused) == len(plain) == 2
+    assert len(fused) == len(plain) == 3
     for ours, theirs in zip(fused, plain):
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
 
