@@ -41,6 +41,27 @@
 
 #include "hopper_ptx.cuh"
 
+// ROPE's inputs, a kernel parameter of their own (hopper_gemm.py's RopeParams mirrors this struct).
+// Cache strides are in elements of the cache's type (bytes for e4m3), as triton_attention.cache_strides
+// gives them. Outside the unnamed namespace: minivllm_hopper_gemm_rope takes a pointer to it, and a
+// function of an internal type gets internal linkage, so its symbol would not be exported.
+struct RopeParams {
+  const int64_t* positions;     // [num_tokens]
+  const int64_t* slot_mapping;  // [num_tokens]; -1: a padding row, stored nowhere
+  const float* cos_cache;       // [max_position, 64]
+  const float* sin_cache;
+  const __nv_bfloat16* q_norm;  // [128], or null: no q/k norm
+  const __nv_bfloat16* k_norm;
+  void* k_cache;                // bf16 or e4m3
+  void* v_cache;
+  float* k_scale;               // e4m3 only
+  float* v_scale;
+  int64_t block_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, v_dim_stride;
+  int64_t scale_block_stride, scale_slot_stride, scale_head_stride;
+  float eps;
+  int num_q_heads, num_kv_heads, block_size, fp8;
+};
+
 namespace {
 
 constexpr int kRows = 64;          // weight rows per CTA (wgmma's M)
@@ -173,25 +194,6 @@ __device__ __forceinline__ void wgmma_bf16<256>(float (&d)[128], uint64_t desc_a
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
                : "l"(desc_a), "l"(desc_b));
 }
-
-// ROPE's inputs, a kernel parameter of their own (hopper_gemm.py's RopeParams mirrors this struct). Cache strides are in elements of
-// the cache's type (bytes for e4m3), as triton_attention.cache_strides gives them.
-struct RopeParams {
-  const int64_t* positions;     // [num_tokens]
-  const int64_t* slot_mapping;  // [num_tokens]; -1: a padding row, stored nowhere
-  const float* cos_cache;       // [max_position, 64]
-  const float* sin_cache;
-  const __nv_bfloat16* q_norm;  // [128], or null: no q/k norm
-  const __nv_bfloat16* k_norm;
-  void* k_cache;                // bf16 or e4m3
-  void* v_cache;
-  float* k_scale;               // e4m3 only
-  float* v_scale;
-  int64_t block_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, v_dim_stride;
-  int64_t scale_block_stride, scale_slot_stride, scale_head_stride;
-  float eps;
-  int num_q_heads, num_kv_heads, block_size, fp8;
-};
 
 struct Params {
   __nv_bfloat16* y;
