@@ -225,10 +225,12 @@ struct Layout {
   static constexpr int kXChunkBytes = BT * 128;
   static constexpr int kW = 0;
   static constexpr int kX = SW * kWChunkBytes;
-  // ROPE: the tile's cos and sin as bf16 [token][64] each, then its slots, filled during the main loop.
+  // ROPE: the tile's cos and sin rows (fp32 [token][128]), then its slots and positions, filled
+  // during the main loop.
   static constexpr int kCosSin = kX + SX * kXChunkBytes;
-  static constexpr int kSlots = kCosSin + (ROPE ? BT * 256 : 0);
-  static constexpr int kBars = kSlots + (ROPE ? BT * 8 : 0);
+  static constexpr int kSlots = kCosSin + (ROPE ? BT * 512 : 0);
+  static constexpr int kPositions = kSlots + (ROPE ? BT * 8 : 0);
+  static constexpr int kBars = kPositions + (ROPE ? BT * 8 : 0);
   static constexpr int kBytes = kBars + 16 * (SW + SX) + 1024;  // + alignment slack
   static_assert(kBytes <= kSharedLimit, "shared memory");
   static_assert(BT * kOutRowBytes <= SW * kWChunkBytes, "the output is staged in the weight stages");
@@ -305,32 +307,39 @@ __device__ __forceinline__ uint32_t quantize_e4m3(const float (&x)[4], float& sc
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
-// ROPE's producer warps 2-3 (64 threads), during the main loop: the tile's cos/sin at each token's
-// position, rounded to bf16 as norm_rope rounds them, and its slots, into shared memory.
+// ROPE's producer warps 2-3 (64 threads), during the main loop: the tile's slots and positions, then
+// the cos and sin rows (fp32) at each token's position, copied into shared memory with cp.async. A
+// thread's copies are all in flight at once: loaded into registers one after another, the rows took
+// a memory round trip each, longer than the main loop at every tile.
 template <int BT>
-__device__ __forceinline__ void stage_cos_sin(uint8_t* smem_cos_sin, int64_t* smem_slots, const Params& p,
-                                              const RopeParams& r, int first_token) {
+__device__ __forceinline__ void stage_cos_sin(float* smem_cos_sin, int64_t* smem_slots, int64_t* smem_positions,
+                                              const Params& p, const RopeParams& r, int first_token) {
   const int t64 = threadIdx.x - 64;
-  __nv_bfloat162* cos_sin = reinterpret_cast<__nv_bfloat162*>(smem_cos_sin);  // [token][cos 32 pairs | sin 32 pairs]
-  for (int i = t64; i < BT * 32; i += 64) {
-    const int t = i / 32, pair = i % 32, token = first_token + t;
-    if (token >= p.num_tokens) break;  // (i grows with t)
-    const int64_t at = r.positions[token] * 64 + 2 * pair;
-    const float2 c = *reinterpret_cast<const float2*>(r.cos_cache + at);
-    const float2 s = *reinterpret_cast<const float2*>(r.sin_cache + at);
-    cos_sin[t * 64 + pair] = __floats2bfloat162_rn(c.x, c.y);
-    cos_sin[t * 64 + 32 + pair] = __floats2bfloat162_rn(s.x, s.y);
+  for (int t = t64; t < BT; t += 64) {
+    const bool valid = first_token + t < p.num_tokens;
+    smem_slots[t] = valid ? r.slot_mapping[first_token + t] : -1;
+    smem_positions[t] = valid ? r.positions[first_token + t] : 0;  // (a padding token's rows: position 0's)
   }
-  for (int t = t64; t < BT; t += 64) smem_slots[t] = first_token + t < p.num_tokens ? r.slot_mapping[first_token + t] : -1;
+  asm volatile("bar.sync 3, 64;\n" ::: "memory");
+  // [token][cos 64 | sin 64] floats, in 16-byte pieces
+  for (int i = t64; i < BT * 32; i += 64) {
+    const int t = i / 32, piece = i % 32;
+    const float* row = (piece < 16 ? r.cos_cache : r.sin_cache) + smem_positions[t] * 64 + 4 * (piece % 16);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem_cos_sin + t * 128 + 4 * piece)),
+                 "l"(row)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
 // ROPE's epilogue. Consumer c holds head dims 64 c + [0, 64) for the tile's tokens (wgmma's layout);
 // both stage their float sums [token][dim], then each of the 8 consumer warps takes every 8th token:
 // lane l holds dims 4 l .. 4 l + 3, whose RoPE partners are lane l ^ 16's. The arithmetic is
-// ops.norm_rope's, from the projection's bf16 rounding on: x = bf16(sum); normed = bf16(bf16(x *
-// rstd) * w); q/k = bf16(bf16(x cos) -+ bf16(x' sin)).
+// ops.norm_rope's (Triton's) to the bit, from the projection's bf16 rounding on: x = bf16(sum);
+// normed = bf16(bf16(x rstd) w); with c, s = bf16(cos), bf16(sin), q/k = bf16(x c -+ bf16(x' s)),
+// the first product unrounded (Triton contracts it into an fma).
 template <int BT>
-__device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* tile, const uint8_t* smem_cos_sin,
+__device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* tile, const float* smem_cos_sin,
                                               const int64_t* smem_slots, const Params& p, const RopeParams& r,
                                               int head, int first_token, int consumer, int tid) {
   const int warp = tid / 32, lane = tid % 32;
@@ -365,17 +374,18 @@ __device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* t
 #pragma unroll
         for (int k = 0; k < 4; ++k) x[k] = round_bf16(round_bf16(x[k] * rstd) * weight[k]);
       }
-      float c[4], s[4];
-      const uint8_t* row = smem_cos_sin + t * 256;
-      unpack_bf16x4(*reinterpret_cast<const uint2*>(row + 2 * rot), c);
-      unpack_bf16x4(*reinterpret_cast<const uint2*>(row + 128 + 2 * rot), s);
+      const float4 cos4 = *reinterpret_cast<const float4*>(smem_cos_sin + t * 128 + rot);
+      const float4 sin4 = *reinterpret_cast<const float4*>(smem_cos_sin + t * 128 + 64 + rot);
+      const float c[4] = {round_bf16(cos4.x), round_bf16(cos4.y), round_bf16(cos4.z), round_bf16(cos4.w)};
+      const float s[4] = {round_bf16(sin4.x), round_bf16(sin4.y), round_bf16(sin4.z), round_bf16(sin4.w)};
       float partner[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) partner[k] = __shfl_xor_sync(0xffffffffu, x[k], 16);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float xc = round_bf16(x[k] * c[k]), ps = round_bf16(partner[k] * s[k]);
-        x[k] = round_bf16(lane < 16 ? xc - ps : xc + ps);  // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
+        const float ps = round_bf16(partner[k] * s[k]);
+        // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
+        x[k] = round_bf16(__fmaf_rn(x[k], c[k], lane < 16 ? -ps : ps));
       }
     }
     *reinterpret_cast<uint2*>(p.y + static_cast<int64_t>(token) * p.y_stride + head * 128 + 4 * lane) = pack_bf16x4(x);
@@ -473,9 +483,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else if (ROPE && threadIdx.x >= 64) {
       // Step inputs, not the kernel ahead's output: read without waiting for it.
-      stage_cos_sin<BT>(shared_raw + (base - smem_u32(shared_raw)) + L::kCosSin,
-                        reinterpret_cast<int64_t*>(shared_raw + (base - smem_u32(shared_raw)) + L::kSlots), p, rope,
-                        token_tile * BT);
+      uint8_t* smem = shared_raw + (base - smem_u32(shared_raw));
+      stage_cos_sin<BT>(reinterpret_cast<float*>(smem + L::kCosSin), reinterpret_cast<int64_t*>(smem + L::kSlots),
+                        reinterpret_cast<int64_t*>(smem + L::kPositions), p, rope, token_tile * BT);
       asm volatile("bar.arrive 2, 320;\n" ::: "memory");
     }
     return;
@@ -524,8 +534,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* out_stage = smem + L::kW;
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   if constexpr (ROPE) {
-    rope_epilogue<BT>(d, reinterpret_cast<float*>(smem + L::kW), smem + L::kCosSin, reinterpret_cast<const int64_t*>(smem + L::kSlots),
-                      p, rope, row_tile, token_tile * BT, consumer, tid);
+    rope_epilogue<BT>(d, reinterpret_cast<float*>(smem + L::kW), reinterpret_cast<const float*>(smem + L::kCosSin),
+                      reinterpret_cast<const int64_t*>(smem + L::kSlots), p, rope, row_tile, token_tile * BT, consumer,
+                      tid);
     return;
   }
   if (consumer == 1) {
