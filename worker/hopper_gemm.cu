@@ -312,12 +312,15 @@ __device__ __forceinline__ uint32_t quantize_e4m3(const float (&x)[4], float& sc
 // thread's copies are all in flight at once: loaded into registers one after another, the rows took
 // a memory round trip each, longer than the main loop at every tile.
 template <int BT>
-__device__ __forceinline__ void stage_cos_sin(float* smem_cos_sin, int64_t* smem_slots, int64_t* smem_positions,
+__device__ __forceinline__ void stage_cos_sin(float* smem_cos_sin, int2* smem_slots, int64_t* smem_positions,
                                               const Params& p, const RopeParams& r, int first_token) {
   const int t64 = threadIdx.x - 64;
   for (int t = t64; t < BT; t += 64) {
     const bool valid = first_token + t < p.num_tokens;
-    smem_slots[t] = valid ? r.slot_mapping[first_token + t] : -1;
+    const int64_t slot = valid ? r.slot_mapping[first_token + t] : -1;
+    // (block, offset): divided here, off the epilogue's path
+    smem_slots[t] = slot < 0 ? make_int2(-1, 0) : make_int2(static_cast<int>(slot / r.block_size),
+                                                             static_cast<int>(slot % r.block_size));
     smem_positions[t] = valid ? r.positions[first_token + t] : 0;  // (a padding token's rows: position 0's)
   }
   asm volatile("bar.sync 3, 64;\n" ::: "memory");
@@ -340,7 +343,7 @@ __device__ __forceinline__ void stage_cos_sin(float* smem_cos_sin, int64_t* smem
 // the first product unrounded (Triton contracts it into an fma).
 template <int BT>
 __device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* tile, const float* smem_cos_sin,
-                                              const int64_t* smem_slots, const Params& p, const RopeParams& r,
+                                              const int2* smem_slots, const Params& p, const RopeParams& r,
                                               int head, int first_token, int consumer, int tid) {
   const int warp = tid / 32, lane = tid % 32;
   {
@@ -363,16 +366,25 @@ __device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* t
   if (norm != nullptr && (is_q || is_k)) unpack_bf16x4(reinterpret_cast<const uint2*>(norm)[lane], weight);
   const int epilogue_warp = (threadIdx.x - 128) / 32;
   const int rot = 4 * (lane % 16);  // the angle index of this lane's first dim (dims d and d + 64 share it)
-  for (int t = epilogue_warp; t < BT; t += 8) {
-    const int token = first_token + t;
-    if (token >= p.num_tokens) break;
+  // First every token's values (and e4m3 bytes) into registers, then every store: the tokens' chains
+  // of shuffles interleave, and no global store sits between one token's shared loads and the next's
+  // (a generic store may alias shared memory, so the loads could not move above it).
+  constexpr int kTokensPerWarp = BT / 8;
+  float x[kTokensPerWarp][4];
+  uint32_t e4m3[kTokensPerWarp];
+  float scale[kTokensPerWarp];
+#pragma unroll
+  for (int j = 0; j < kTokensPerWarp; ++j) {
+    // (a tile's tokens past num_tokens are zeros at position 0's angles: computed, never stored)
+    const int t = epilogue_warp + 8 * j;
     const float4 sums = *reinterpret_cast<const float4*>(tile + t * kRopeRowFloats + 4 * lane);
-    float x[4] = {round_bf16(sums.x), round_bf16(sums.y), round_bf16(sums.z), round_bf16(sums.w)};
+    float* v = x[j];
+    v[0] = round_bf16(sums.x), v[1] = round_bf16(sums.y), v[2] = round_bf16(sums.z), v[3] = round_bf16(sums.w);
     if (is_q || is_k) {
       if (norm != nullptr) {
-        const float rstd = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.f + r.eps);
+        const float rstd = rsqrtf(warp_sum(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]) / 128.f + r.eps);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) x[k] = round_bf16(round_bf16(x[k] * rstd) * weight[k]);
+        for (int k = 0; k < 4; ++k) v[k] = round_bf16(round_bf16(v[k] * rstd) * weight[k]);
       }
       const float4 cos4 = *reinterpret_cast<const float4*>(smem_cos_sin + t * 128 + rot);
       const float4 sin4 = *reinterpret_cast<const float4*>(smem_cos_sin + t * 128 + 64 + rot);
@@ -380,39 +392,43 @@ __device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* t
       const float s[4] = {round_bf16(sin4.x), round_bf16(sin4.y), round_bf16(sin4.z), round_bf16(sin4.w)};
       float partner[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) partner[k] = __shfl_xor_sync(0xffffffffu, x[k], 16);
+      for (int k = 0; k < 4; ++k) partner[k] = __shfl_xor_sync(0xffffffffu, v[k], 16);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float ps = round_bf16(partner[k] * s[k]);
         // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
-        x[k] = round_bf16(__fmaf_rn(x[k], c[k], lane < 16 ? -ps : ps));
+        v[k] = round_bf16(__fmaf_rn(v[k], c[k], lane < 16 ? -ps : ps));
       }
     }
-    *reinterpret_cast<uint2*>(p.y + static_cast<int64_t>(token) * p.y_stride + head * 128 + 4 * lane) = pack_bf16x4(x);
-    const int64_t slot = smem_slots[t];
-    if (is_q || slot < 0) continue;
-    const int64_t block = slot / r.block_size, offset = slot % r.block_size;
+    if (r.fp8 && !is_q) e4m3[j] = quantize_e4m3(x[j], scale[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < kTokensPerWarp; ++j) {
+    const int t = epilogue_warp + 8 * j, token = first_token + t;
+    if (token >= p.num_tokens) break;
+    *reinterpret_cast<uint2*>(p.y + static_cast<int64_t>(token) * p.y_stride + head * 128 + 4 * lane) = pack_bf16x4(x[j]);
+    const int2 slot = smem_slots[t];  // (block, offset in it); block -1: stored nowhere
+    if (is_q || slot.x < 0) continue;
+    const int64_t block = slot.x, offset = slot.y;
     if (r.fp8) {
-      float scale;
-      const uint32_t bytes = quantize_e4m3(x, scale);
       const int64_t scale_at = block * r.scale_block_stride + offset * r.scale_slot_stride + kv_head * r.scale_head_stride;
       if (is_k) {
         uint8_t* keys = static_cast<uint8_t*>(r.k_cache) + block * r.block_stride + offset * r.k_slot_stride +
                         kv_head * r.k_head_stride;
-        reinterpret_cast<uint32_t*>(keys)[lane] = bytes;
-        if (lane == 0) r.k_scale[scale_at] = scale;
+        reinterpret_cast<uint32_t*>(keys)[lane] = e4m3[j];
+        if (lane == 0) r.k_scale[scale_at] = scale[j];
       } else {  // values are stored transposed: a dim's slots are consecutive bytes
         uint8_t* values = static_cast<uint8_t*>(r.v_cache) + block * r.block_stride + offset * r.v_slot_stride +
                           kv_head * r.v_head_stride + 4 * lane * r.v_dim_stride;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) values[k * r.v_dim_stride] = static_cast<uint8_t>(bytes >> (8 * k));
-        if (lane == 0) r.v_scale[scale_at] = scale;
+        for (int k = 0; k < 4; ++k) values[k * r.v_dim_stride] = static_cast<uint8_t>(e4m3[j] >> (8 * k));
+        if (lane == 0) r.v_scale[scale_at] = scale[j];
       }
     } else {
       __nv_bfloat16* cache = static_cast<__nv_bfloat16*>(is_k ? r.k_cache : r.v_cache) + block * r.block_stride +
                              offset * (is_k ? r.k_slot_stride : r.v_slot_stride) +
                              kv_head * (is_k ? r.k_head_stride : r.v_head_stride);
-      *reinterpret_cast<uint2*>(cache + 4 * lane) = pack_bf16x4(x);
+      *reinterpret_cast<uint2*>(cache + 4 * lane) = pack_bf16x4(x[j]);
     }
   }
 }
@@ -484,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (ROPE && threadIdx.x >= 64) {
       // Step inputs, not the kernel ahead's output: read without waiting for it.
       uint8_t* smem = shared_raw + (base - smem_u32(shared_raw));
-      stage_cos_sin<BT>(reinterpret_cast<float*>(smem + L::kCosSin), reinterpret_cast<int64_t*>(smem + L::kSlots),
+      stage_cos_sin<BT>(reinterpret_cast<float*>(smem + L::kCosSin), reinterpret_cast<int2*>(smem + L::kSlots),
                         reinterpret_cast<int64_t*>(smem + L::kPositions), p, rope, token_tile * BT);
       asm volatile("bar.arrive 2, 320;\n" ::: "memory");
     }
@@ -535,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   if constexpr (ROPE) {
     rope_epilogue<BT>(d, reinterpret_cast<float*>(smem + L::kW), reinterpret_cast<const float*>(smem + L::kCosSin),
-                      reinterpret_cast<const int64_t*>(smem + L::kSlots), p, rope, row_tile, token_tile * BT, consumer,
+                      reinterpret_cast<const int2*>(smem + L::kSlots), p, rope, row_tile, token_tile * BT, consumer,
                       tid);
     return;
   }
