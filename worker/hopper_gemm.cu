@@ -27,7 +27,8 @@
 // (Qwen3's q/k norm) and rotated by RoPE (a dim's partner, d +- 64, is the other consumer's), k and v
 // heads are written to the paged KV cache (bf16, or e4m3 with a scale per token and head), and y gets
 // the rotated q and k and the plain v. Two idle producer warps meanwhile copy the tile's positions'
-// cos/sin into shared memory, so the epilogue waits for no load but its staged sums.
+// cos/sin into shared memory, so the epilogue waits for no load but its staged sums; then all 12 warps,
+// the producers' too, share the epilogue's tokens.
 //
 // Built by worker/hopper_gemm.py with nvcc and called through ctypes.
 
@@ -265,8 +266,6 @@ __device__ __forceinline__ void store_tile(const uint8_t* stage, __nv_bfloat16* 
   }
 }
 
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int m = 16; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
@@ -335,100 +334,92 @@ __device__ __forceinline__ void stage_cos_sin(float* smem_cos_sin, int2* smem_sl
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// ROPE's epilogue. Consumer c holds head dims 64 c + [0, 64) for the tile's tokens (wgmma's layout);
-// both stage their float sums [token][dim], then each of the 8 consumer warps takes every 8th token:
-// lane l holds dims 4 l .. 4 l + 3, whose RoPE partners are lane l ^ 16's. The arithmetic is
-// ops.norm_rope's (Triton's) to the bit, from the projection's bf16 rounding on: x = bf16(sum);
-// normed = bf16(bf16(x rstd) w); with c, s = bf16(cos), bf16(sin), q/k = bf16(x c -+ bf16(x' s)),
-// the first product unrounded (Triton contracts it into an fma).
+// ROPE's epilogue, first part: consumer c holds head dims 64 c + [0, 64) for the tile's tokens
+// (wgmma's layout); both stage their float sums [token][dim] for rope_tokens.
 template <int BT>
-__device__ __forceinline__ void rope_epilogue(const float (&d)[BT / 2], float* tile, const float* smem_cos_sin,
-                                              const int2* smem_slots, const Params& p, const RopeParams& r,
-                                              int head, int first_token, int consumer, int tid) {
+__device__ __forceinline__ void stage_rope_sums(const float (&d)[BT / 2], float* tile, int consumer, int tid) {
   const int warp = tid / 32, lane = tid % 32;
-  {
-    const int r0 = consumer * 64 + warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+  const int r0 = consumer * 64 + warp * 16 + lane / 4, c0 = 2 * (lane % 4);
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j) {
-      const int t = 8 * j + c0;
-      tile[t * kRopeRowFloats + r0] = d[4 * j];
-      tile[(t + 1) * kRopeRowFloats + r0] = d[4 * j + 1];
-      tile[t * kRopeRowFloats + r0 + 8] = d[4 * j + 2];
-      tile[(t + 1) * kRopeRowFloats + r0 + 8] = d[4 * j + 3];
-    }
+  for (int j = 0; j < BT / 8; ++j) {
+    const int t = 8 * j + c0;
+    tile[t * kRopeRowFloats + r0] = d[4 * j];
+    tile[(t + 1) * kRopeRowFloats + r0] = d[4 * j + 1];
+    tile[t * kRopeRowFloats + r0 + 8] = d[4 * j + 2];
+    tile[(t + 1) * kRopeRowFloats + r0 + 8] = d[4 * j + 3];
   }
-  // Every consumer's sums staged, and the producer warps' cos/sin and slots (they arrive on barrier 2).
-  asm volatile("bar.sync 2, 320;\n" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t bits(__nv_bfloat162 x) { return *reinterpret_cast<uint32_t*>(&x); }
+__device__ __forceinline__ __nv_bfloat162 bf16x2(uint32_t x) { return *reinterpret_cast<__nv_bfloat162*>(&x); }
+
+// ROPE's epilogue, second part, once the sums, cos/sin and slots are staged: all 12 warps of the CTA
+// (the producers' too: this part is issue-bound at one CTA an SM) take every 12th token. Lane l
+// holds dims 4 l .. 4 l + 3, whose RoPE partners are lane l ^ 16's. The arithmetic is ops.norm_rope's
+// (Triton's), in bf16 pairs from the projection's rounding on: x = bf16(sum); normed = bf16(bf16(x
+// rstd) w); with c, s = bf16(cos), bf16(sin), q/k = fma(x, c, -+bf16(x' s)) rounded once to bf16.
+template <int BT>
+__device__ __forceinline__ void rope_tokens(const float* tile, const float* smem_cos_sin, const int2* smem_slots,
+                                            const Params& p, const RopeParams& r, int head, int first_token) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool is_q = head < r.num_q_heads, is_k = !is_q && head < r.num_q_heads + r.num_kv_heads;
   const int kv_head = is_k ? head - r.num_q_heads : head - r.num_q_heads - r.num_kv_heads;
   const __nv_bfloat16* norm = is_q ? r.q_norm : r.k_norm;
-  float weight[4];
-  if (norm != nullptr && (is_q || is_k)) unpack_bf16x4(reinterpret_cast<const uint2*>(norm)[lane], weight);
-  const int epilogue_warp = (threadIdx.x - 128) / 32;
+  uint2 weight = make_uint2(0, 0);
+  if (norm != nullptr && (is_q || is_k)) weight = reinterpret_cast<const uint2*>(norm)[lane];
   const int rot = 4 * (lane % 16);  // the angle index of this lane's first dim (dims d and d + 64 share it)
-  // First every token's values (and e4m3 bytes) into registers, then every store: the tokens' chains
-  // of shuffles interleave, and no global store sits between one token's shared loads and the next's
-  // (a generic store may alias shared memory, so the loads could not move above it).
-  constexpr int kTokensPerWarp = BT / 8;
-  float x[kTokensPerWarp][4];
-  uint32_t e4m3[kTokensPerWarp];
-  float scale[kTokensPerWarp];
-#pragma unroll
-  for (int j = 0; j < kTokensPerWarp; ++j) {
-    // (a tile's tokens past num_tokens are zeros at position 0's angles: computed, never stored)
-    const int t = epilogue_warp + 8 * j;
+  const __nv_bfloat162 sign = __floats2bfloat162_rn(lane < 16 ? -1.f : 1.f, lane < 16 ? -1.f : 1.f);
+  for (int t = warp; t < BT; t += kThreads / 32) {
+    const int token = first_token + t;
+    if (token >= p.num_tokens) break;
     const float4 sums = *reinterpret_cast<const float4*>(tile + t * kRopeRowFloats + 4 * lane);
-    float* v = x[j];
-    v[0] = round_bf16(sums.x), v[1] = round_bf16(sums.y), v[2] = round_bf16(sums.z), v[3] = round_bf16(sums.w);
+    __nv_bfloat162 x01 = __floats2bfloat162_rn(sums.x, sums.y), x23 = __floats2bfloat162_rn(sums.z, sums.w);
     if (is_q || is_k) {
       if (norm != nullptr) {
-        const float rstd = rsqrtf(warp_sum(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]) / 128.f + r.eps);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) v[k] = round_bf16(round_bf16(v[k] * rstd) * weight[k]);
+        const float2 f01 = __bfloat1622float2(x01), f23 = __bfloat1622float2(x23);
+        const float rstd =
+            rsqrtf(warp_sum(f01.x * f01.x + f01.y * f01.y + f23.x * f23.x + f23.y * f23.y) / 128.f + r.eps);
+        x01 = __hmul2(__floats2bfloat162_rn(f01.x * rstd, f01.y * rstd), bf16x2(weight.x));
+        x23 = __hmul2(__floats2bfloat162_rn(f23.x * rstd, f23.y * rstd), bf16x2(weight.y));
       }
       const float4 cos4 = *reinterpret_cast<const float4*>(smem_cos_sin + t * 128 + rot);
       const float4 sin4 = *reinterpret_cast<const float4*>(smem_cos_sin + t * 128 + 64 + rot);
-      const float c[4] = {round_bf16(cos4.x), round_bf16(cos4.y), round_bf16(cos4.z), round_bf16(cos4.w)};
-      const float s[4] = {round_bf16(sin4.x), round_bf16(sin4.y), round_bf16(sin4.z), round_bf16(sin4.w)};
-      float partner[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) partner[k] = __shfl_xor_sync(0xffffffffu, v[k], 16);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float ps = round_bf16(partner[k] * s[k]);
-        // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
-        v[k] = round_bf16(__fmaf_rn(v[k], c[k], lane < 16 ? -ps : ps));
-      }
+      const __nv_bfloat162 p01 = bf16x2(__shfl_xor_sync(0xffffffffu, bits(x01), 16));
+      const __nv_bfloat162 p23 = bf16x2(__shfl_xor_sync(0xffffffffu, bits(x23), 16));
+      // first half: x1 cos - x2 sin; second: x2 cos + x1 sin (the sign exact in bf16)
+      const __nv_bfloat162 ps01 = __hmul2(__hmul2(p01, __floats2bfloat162_rn(sin4.x, sin4.y)), sign);
+      const __nv_bfloat162 ps23 = __hmul2(__hmul2(p23, __floats2bfloat162_rn(sin4.z, sin4.w)), sign);
+      x01 = __hfma2(x01, __floats2bfloat162_rn(cos4.x, cos4.y), ps01);
+      x23 = __hfma2(x23, __floats2bfloat162_rn(cos4.z, cos4.w), ps23);
     }
-    if (r.fp8 && !is_q) e4m3[j] = quantize_e4m3(x[j], scale[j]);
-  }
-#pragma unroll
-  for (int j = 0; j < kTokensPerWarp; ++j) {
-    const int t = epilogue_warp + 8 * j, token = first_token + t;
-    if (token >= p.num_tokens) break;
-    *reinterpret_cast<uint2*>(p.y + static_cast<int64_t>(token) * p.y_stride + head * 128 + 4 * lane) = pack_bf16x4(x[j]);
+    const uint2 packed = make_uint2(bits(x01), bits(x23));
+    *reinterpret_cast<uint2*>(p.y + static_cast<int64_t>(token) * p.y_stride + head * 128 + 4 * lane) = packed;
     const int2 slot = smem_slots[t];  // (block, offset in it); block -1: stored nowhere
     if (is_q || slot.x < 0) continue;
     const int64_t block = slot.x, offset = slot.y;
     if (r.fp8) {
+      const float2 f01 = __bfloat1622float2(x01), f23 = __bfloat1622float2(x23);
+      const float x[4] = {f01.x, f01.y, f23.x, f23.y};
+      float scale;
+      const uint32_t e4m3 = quantize_e4m3(x, scale);
       const int64_t scale_at = block * r.scale_block_stride + offset * r.scale_slot_stride + kv_head * r.scale_head_stride;
       if (is_k) {
         uint8_t* keys = static_cast<uint8_t*>(r.k_cache) + block * r.block_stride + offset * r.k_slot_stride +
                         kv_head * r.k_head_stride;
-        reinterpret_cast<uint32_t*>(keys)[lane] = e4m3[j];
-        if (lane == 0) r.k_scale[scale_at] = scale[j];
+        reinterpret_cast<uint32_t*>(keys)[lane] = e4m3;
+        if (lane == 0) r.k_scale[scale_at] = scale;
       } else {  // values are stored transposed: a dim's slots are consecutive bytes
         uint8_t* values = static_cast<uint8_t*>(r.v_cache) + block * r.block_stride + offset * r.v_slot_stride +
                           kv_head * r.v_head_stride + 4 * lane * r.v_dim_stride;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) values[k * r.v_dim_stride] = static_cast<uint8_t>(e4m3[j] >> (8 * k));
-        if (lane == 0) r.v_scale[scale_at] = scale[j];
+        for (int k = 0; k < 4; ++k) values[k * r.v_dim_stride] = static_cast<uint8_t>(e4m3 >> (8 * k));
+        if (lane == 0) r.v_scale[scale_at] = scale;
       }
     } else {
       __nv_bfloat16* cache = static_cast<__nv_bfloat16*>(is_k ? r.k_cache : r.v_cache) + block * r.block_stride +
                              offset * (is_k ? r.k_slot_stride : r.v_slot_stride) +
                              kv_head * (is_k ? r.k_head_stride : r.v_head_stride);
-      *reinterpret_cast<uint2*>(cache + 4 * lane) = pack_bf16x4(x[j]);
+      *reinterpret_cast<uint2*>(cache + 4 * lane) = packed;
     }
   }
 }
@@ -502,7 +493,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint8_t* smem = shared_raw + (base - smem_u32(shared_raw));
       stage_cos_sin<BT>(reinterpret_cast<float*>(smem + L::kCosSin), reinterpret_cast<int2*>(smem + L::kSlots),
                         reinterpret_cast<int64_t*>(smem + L::kPositions), p, rope, token_tile * BT);
-      asm volatile("bar.arrive 2, 320;\n" ::: "memory");
+    }
+    if constexpr (ROPE) {
+      // Every producer thread joins the epilogue once its copies are issued and the consumers' sums staged.
+      __syncwarp();
+      asm volatile("bar.sync 2, 384;\n" ::: "memory");
+      uint8_t* smem = shared_raw + (base - smem_u32(shared_raw));
+      rope_tokens<BT>(reinterpret_cast<const float*>(smem + L::kW), reinterpret_cast<const float*>(smem + L::kCosSin),
+                      reinterpret_cast<const int2*>(smem + L::kSlots), p, rope, row_tile, token_tile * BT);
     }
     return;
   }
@@ -550,9 +548,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* out_stage = smem + L::kW;
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
   if constexpr (ROPE) {
-    rope_epilogue<BT>(d, reinterpret_cast<float*>(smem + L::kW), reinterpret_cast<const float*>(smem + L::kCosSin),
-                      reinterpret_cast<const int2*>(smem + L::kSlots), p, rope, row_tile, token_tile * BT, consumer,
-                      tid);
+    stage_rope_sums<BT>(d, reinterpret_cast<float*>(smem + L::kW), consumer, tid);
+    asm volatile("bar.sync 2, 384;\n" ::: "memory");  // with the producers: sums, cos/sin and slots staged
+    rope_tokens<BT>(reinterpret_cast<const float*>(smem + L::kW), reinterpret_cast<const float*>(smem + L::kCosSin),
+                    reinterpret_cast<const int2*>(smem + L::kSlots), p, rope, row_tile, token_tile * BT);
     return;
   }
   if (consumer == 1) {
