@@ -343,7 +343,7 @@ __device__ __forceinline__ uint32_t bits(__nv_bfloat162 x) { return *reinterpret
 __device__ __forceinline__ __nv_bfloat162 bf16x2(uint32_t x) { return *reinterpret_cast<__nv_bfloat162*>(&x); }
 
 // ROPE's epilogue, second part, once the sums, cos/sin and slots are staged: all 12 warps of the CTA
-// (the producers' too: this part is issue-bound at one CTA an SM) take every 12th token. Lane l
+// (the producers' too: at one CTA an SM, more warps hide more of its latencies) take every 12th token. Lane l
 // holds dims 4 l .. 4 l + 3, whose RoPE partners are lane l ^ 16's. The arithmetic is ops.norm_rope's
 // (Triton's), in bf16 pairs from the projection's rounding on: x = bf16(sum); normed = bf16(bf16(x
 // rstd) w); with c, s = bf16(cos), bf16(sin), q/k = fma(x, c, -+bf16(x' s)) rounded once to bf16.
