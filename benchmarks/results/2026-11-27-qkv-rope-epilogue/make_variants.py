@@ -1,5 +1,5 @@
 """Builds the kernel variants variants.py times, from branch qkv-rope-epilogue's hopper_gemm.cu at
-1aaadbc ("full") and d0bda27 ("prev"): each leaves one stage out. Run from the repository root on a
+f431586 ("full") and 8ba1e24 ("prev"): each leaves one stage out. Run from the repository root on a
 machine with nvcc (the .so files run on the H100 as built here with nvcc 13.0):
     python benchmarks/results/2026-11-27-qkv-rope-epilogue/make_variants.py .devtmp/s37/var"""
 import os, shutil, subprocess, sys
@@ -10,12 +10,12 @@ os.makedirs(out, exist_ok=True)
 shutil.copy("worker/hopper_ptx.cuh", out)
 show = lambda rev: subprocess.run(["git", "show", f"{rev}:worker/hopper_gemm.cu"], capture_output=True, text=True,
                                   check=True).stdout
-src = show("1aaadbc")
+src = show("f431586")
 sync = 'asm volatile("bar.sync 2, 320;\\n" ::: "memory");'
 arrive = 'asm volatile("bar.arrive 2, 320;\\n" ::: "memory");'
 stage, epilogue = "stage_cos_sin<BT>(reinterpret_cast", "rope_epilogue<BT>(d,"
 assert all(src.count(s) == 1 for s in (sync, arrive, stage, epilogue))
-variants = {"prev": show("d0bda27"), "full": src,
+variants = {"prev": show("8ba1e24"), "full": src,
             # consumers stage their sums and wait for the cos/sin, then leave
             "no_epilogue_math": src.replace(sync, sync + " return;")}
 variants["no_math_no_cos_sin"] = variants["no_epilogue_math"].replace(stage, "if (false) " + stage)
