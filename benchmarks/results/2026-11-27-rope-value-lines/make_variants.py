@@ -1,9 +1,10 @@
 """Builds the kernels that ../2026-11-27-qkv-rope-epilogue/variants.py timed here (with --rule-only):
-linear_rope's 12-warp epilogue ("full", cdbeae2), the same with its FP8 value stores changed ("v_u32": written as keys are, a u32 a lane at the slot's row,
-the wrong layout but the same bytes; "no_v_store": quantized but not stored; "no_kv_store": nor
-the keys), and the fix that was kept ("lines", b74f944: 32 consecutive dims a store; the timed
-source also had two unused helpers that b74f944 removed). Run from the repository root on a machine
-with nvcc (built here with nvcc 13.0 for sm_90a; the .so files ran on the H100):
+linear_rope's 12-warp epilogue ("full", cdbeae2) and the same with its FP8 value stores changed:
+"v_u32" writes them as keys are written, a u32 a lane at the slot's row (the wrong layout, the same
+bytes); "no_v_store" quantizes them but stores nothing; "no_kv_store" stores no keys either. And the
+fix that was kept ("lines", b74f944: 32 consecutive dims a store; the timed source also had two
+unused helpers that b74f944 removed). Run from the repository root on a machine with nvcc (built
+here with nvcc 13.0 for sm_90a; the .so files ran on the H100):
     python benchmarks/results/2026-11-27-rope-value-lines/make_variants.py .devtmp/var
     python benchmarks/results/2026-11-27-qkv-rope-epilogue/variants.py .devtmp/var --rule-only  # on the GPU"""
 import importlib.util, sys
