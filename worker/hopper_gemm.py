@@ -69,7 +69,8 @@ class RopeParams(ctypes.Structure):
         "v_scale")] + [(name, ctypes.c_int64) for name in (
             "block_stride", "k_slot_stride", "k_head_stride", "v_slot_stride", "v_head_stride", "v_dim_stride",
             "scale_block_stride", "scale_slot_stride", "scale_head_stride")] + [
-        ("eps", ctypes.c_float)] + [(name, ctypes.c_int) for name in ("num_q_heads", "num_kv_heads", "block_size", "fp8")]
+        ("eps", ctypes.c_float)] + [
+        (name, ctypes.c_int) for name in ("num_q_heads", "num_kv_heads", "block_size", "fp8")]
 
 
 def load_library(path: str) -> ctypes.CDLL:

@@ -82,14 +82,16 @@ def test_rope_in_the_qkv_projection_equals_norm_rope(tiny_model_factory, monkeyp
     """On Hopper the qkv projection of a step of 2-256 tokens norms and rotates q/k and stores K/V
     in its epilogue (hopper_gemm.linear_rope). The layers take it, and three steps (three prompts;
     a fourth after the first one's cached blocks, reading the K/V the first step stored; a decode
-    step of the first three) give the logits of the projection followed by ops.norm_rope ($MINIVLLM_HOPPER_GEMM_ROPE=0), within
-    bf16 rounding (the two norms sum their squares in different orders)."""
+    step of the first three) give the logits of the projection followed by ops.norm_rope
+    ($MINIVLLM_HOPPER_GEMM_ROPE=0), within bf16 rounding (the two norms sum their squares in
+    different orders)."""
     from minivllm.worker import hopper_gemm
 
     model_dir = tiny_model_factory("qwen3", head_dim=128)
     calls = []
     linear_rope = hopper_gemm.linear_rope
-    monkeypatch.setattr(hopper_gemm, "linear_rope", lambda *args, **kwargs: calls.append(1) or linear_rope(*args, **kwargs))
+    monkeypatch.setattr(hopper_gemm, "linear_rope",
+                        lambda *args, **kwargs: calls.append(1) or linear_rope(*args, **kwargs))
     prompts = [[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([100, 5, 33])]
     later = prompts[0][:96] + [(3 * j) % 400 + 1 for j in range(24)]
 

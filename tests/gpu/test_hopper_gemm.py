@@ -289,7 +289,8 @@ def test_linear_rope_equals_the_projection_then_norm_rope(fp8: bool, heads: tupl
         assert error < 1.2 * ref_error, f"tile {tile}: {error} vs norm_rope's {ref_error}; q, k, v equal in {equal}"
         keys, values = gather(layout.split(cache), stored, torch.float32)
         step = 0.13 if fp8 else 2e-2  # e4m3 keeps 3 mantissa bits
-        torch.testing.assert_close(keys, ref_k, rtol=step, atol=step * ref_k.abs().amax().item() / 8, msg=f"tile {tile}")
+        torch.testing.assert_close(keys, ref_k, rtol=step, atol=step * ref_k.abs().amax().item() / 8,
+                                   msg=f"tile {tile}")
         torch.testing.assert_close(values, ref_v, rtol=step, atol=step * ref_v.abs().amax().item() / 8,
                                    msg=f"tile {tile}")
         untouched_k, untouched_v = gather(layout.split(cache), others, torch.float32)
