@@ -44,6 +44,7 @@ from minivllm.protocol.auth import (
     start_client_key_authenticator,
 )
 from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.gc_heap import freeze_gc_heap
 from minivllm.protocol.ipc import remove_ipc_file
 from minivllm.protocol.messages import (
     AbortRequests,
@@ -842,6 +843,7 @@ def run_engine_core(config: EngineConfig, address: str, engine_key: str | None =
                     prestarted: PrestartedWorker | None = None) -> None:
     """Start an EngineCore at `address` and serve until Shutdown, SIGTERM or SIGINT."""
     engine = EngineCoreProc(config, address, engine_key=engine_key, insecure=insecure, prestarted=prestarted)
+    freeze_gc_heap("EngineCore")  # (with the worker in this process, its model and graphs too)
 
     def stop(signum: int, _frame: Any) -> None:
         logger.info("received signal %d, shutting down", signum)

@@ -24,6 +24,7 @@ import zmq
 
 from minivllm.protocol.channels import ChannelClosed, open_worker_channels
 from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.gc_heap import freeze_gc_heap
 from minivllm.protocol.ipc import exit_without_teardown
 from minivllm.protocol.messages import (DeferredStart, ModelRunnerOutput, SchedulerOutput, Shutdown, WorkerCall,
                                         WorkerReply)
@@ -154,7 +155,10 @@ def run_worker(config: EngineConfig, rank: int, work_address: str, result_addres
                 send_outputs(outputs)
             elif isinstance(message, WorkerCall):
                 method = message.method
-                reply(method, worker.call(method, message.args))
+                result = worker.call(method, message.args)
+                if method == "initialize_cache":  # the last of start-up: the model, its cache and graphs are built
+                    freeze_gc_heap(f"worker {rank}")
+                reply(method, result)
             elif isinstance(message, Shutdown):
                 from minivllm.worker.distributed import destroy_distributed
 

@@ -36,6 +36,7 @@ from minivllm.frontend.server.protocol import (ChatCompletionRequest, Completion
 from minivllm.frontend.server.serving_chat import OpenAIServingChat, render
 from minivllm.frontend.server.serving_completions import OpenAIServingCompletion
 from minivllm.frontend.server.serving_engine import OpenAIServing, as_api_error
+from minivllm.protocol.gc_heap import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ def run_server(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: None)
         logger.warning("serving %s at http://%s:%d (model name %r)", model_path, args.host, args.port,
                        app.state.serving.model_name)
+        freeze_gc_heap("server")
         server.run()
         if not server.started:
             return 1  # e.g. the port was taken (uvicorn logged why)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -93,6 +94,17 @@ def test_skip_tokenizer_init_takes_token_ids(tiny_llama) -> None:
         assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].text == ""
         with pytest.raises(ValueError, match="prompt_token_ids"):
             llm.generate("text needs a tokenizer", GREEDY, use_tqdm=False)
+
+
+def test_the_engines_processes_freeze_their_start_up_heap(tiny_llama, capfd) -> None:
+    """The EngineCore and its worker each move their start-up heap out of the collector's passes once
+    they are up (protocol/gc_heap.py), and serve as before."""
+    with LLM(tiny_llama, max_model_len=128) as llm:
+        assert len(llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
+    err = capfd.readouterr().err
+    frozen = {who: int(n) for who, n in re.findall(r"(EngineCore|worker 0): (\d+) objects moved out of the garbage "
+                                                   r"collector's passes", err)}
+    assert set(frozen) == {"EngineCore", "worker 0"} and min(frozen.values()) > 1000, err[-2000:]
 
 
 def test_shutdown_leaves_no_child_process(tiny_llama) -> None:
