@@ -1,12 +1,12 @@
 """The garbage collector in the engine's own processes: their start-up heap frozen once they are up.
 
 CPython's cyclic collector runs a full pass (generation 2) every so many allocations, and a full pass
-walks every tracked object in the process. Once an EngineCore process is up it holds ~0.5M of them
-(torch, transformers, Triton, the model's modules), so each full pass stopped its busy loop for tens
-of milliseconds while the GPU ran out of steps; the scheduler's allocations brought about two such
-passes into every run of `bench throughput`'s 256 requests (benchmarks/RESULTS.md, 2026-11-27,
-twenty-fourth session). gc.freeze() moves the objects alive at that point into a permanent
-generation that later passes skip; they are still freed by reference counting as usual.
+walks every tracked object in the process. Once up, an EngineCore holds 64-101k of them and a worker
+~207k (torch, transformers, Triton, the model's modules). In a traced run of `bench throughput`'s 256
+requests on an H100 (FP8 cache) the EngineCore made two full passes of ~25 ms, and the GPU ran out
+of queued steps meanwhile (benchmarks/RESULTS.md, 2026-11-27, twenty-fourth session). gc.freeze()
+moves the objects alive at that point into a permanent generation that later passes skip; they are
+still freed by reference counting as usual.
 
 Only for processes of the engine's own (the EngineCore, its workers, `minivllm serve`), never a
 user's process that merely holds an LLM: there it would keep whatever cycles the user's objects form

@@ -26,7 +26,7 @@ def main():
             last = max(o.metrics.token_times[-1] for o in outs) - t0w
             times = sorted({round(t - t0w, 6) for o in outs for t in o.metrics.token_times})
             gaps = np.diff(times)
-            print(f"{'nano ' if nano else ''}{'fp8' if fp8 else 'bf16'} rep {rep}: elapsed {el*1e3:.1f} ms, {sum(len(o.outputs[0].token_ids) for o in outs)/el:.0f} tok/s; first token {first*1e3:.1f} ms, "
+            print(f"{time.time() % 1000:.2f} {'nano ' if nano else ''}{'fp8' if fp8 else 'bf16'} rep {rep}: elapsed {el*1e3:.1f} ms, {sum(len(o.outputs[0].token_ids) for o in outs)/el:.0f} tok/s; first token {first*1e3:.1f} ms, "
                   f"last token {last*1e3:.1f} ms, return {(el-last)*1e3:.1f} ms after it; {len(times)} distinct token times; "
                   f"gaps ms p50 {np.median(gaps)*1e3:.2f} max {gaps.max()*1e3:.2f}; first 12 gaps {np.round(gaps[:12]*1e3,1).tolist()}; last 12 {np.round(gaps[-12:]*1e3,1).tolist()}")
 
