@@ -14,27 +14,33 @@ HOST_CALLS = ("_update_states", "_run_model", "finish_pending", "_sample")  # na
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
+    def __init__(self, inner: importlib.abc.Loader, patch) -> None:
+        self.inner, self.patch = inner, patch
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module) -> None:
         self.inner.exec_module(module)
-        _patch(module.ModelRunner)
+        self.patch(module)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Calls patch(module) once `target` is imported and executed, in whatever process imports it (other
+    probes' sitecustomize files load this file by path for it)."""
+
+    def __init__(self, target: str, patch) -> None:
+        self.target, self.patch = target, patch
+
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)  # find the real module, then wrap its loader
         try:
             spec = importlib.util.find_spec(name)
         finally:
             sys.meta_path.insert(0, self)
-        spec.loader = _PatchingLoader(spec.loader)
+        spec.loader = _PatchingLoader(spec.loader, self.patch)
         return spec
 
 
@@ -126,4 +132,4 @@ def report(events, steps: list) -> None:
 
 
 if os.environ.get("MINIVLLM_GPU_IDLE_STEPS"):
-    sys.meta_path.insert(0, _Finder())
+    sys.meta_path.insert(0, PatchOnImport(TARGET, lambda module: _patch(module.ModelRunner)))
