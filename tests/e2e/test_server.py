@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import time
 import urllib.error
@@ -50,7 +51,8 @@ def expected(tiny_chat_llama) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_chat_llama, expected):
     proc = ServerProcess(tiny_chat_llama, "--served-model-name", NAME, "--api-key", API_KEY,
-                         "--max-pending-requests", str(MAX_PENDING), *ENGINE_FLAGS)
+                         "--max-pending-requests", str(MAX_PENDING), *ENGINE_FLAGS,
+                         env={"MINIVLLM_LOG_LEVEL": "INFO"})  # (the heap-freeze line below is INFO)
     yield proc
     assert proc.stop() == 0, proc.output()
 
@@ -113,6 +115,10 @@ def test_models_version_health_tokenize(server, client, tiny_chat_llama) -> None
     status, text = http(server, "POST", "/detokenize", {"tokens": tokens["tokens"]})
     assert status == 200 and PROMPTS[0] in text["prompt"]
     assert http(server, "POST", "/detokenize", {"tokens": [10**6]})[0] == 400
+    # Up and serving, the server process has moved its start-up heap out of the collector's passes
+    # (protocol/gc_heap.py), as the EngineCore and the worker have.
+    for who in ("server", "EngineCore", "worker 0"):
+        assert re.search(rf"{who}: \d+ objects moved out of the garbage collector's passes", server.output()), who
 
 
 def test_completions_greedy_equal_llm_generate(client, expected) -> None:
