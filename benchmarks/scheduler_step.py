@@ -24,6 +24,14 @@ from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.serial import encode
 
 
+def finish_oldest(scheduler: Scheduler, in_flight: deque) -> list:
+    """The oldest step in flight's tokens, one sampled token a row, through update_from_output."""
+    oldest = in_flight.popleft()
+    req_ids = list(oldest.num_scheduled_tokens)
+    return scheduler.update_from_output(oldest, ModelRunnerOutput(req_ids=req_ids,
+                                                                  sampled_token_ids=[7] * len(req_ids)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=256)
@@ -56,10 +64,7 @@ def main() -> None:
         t1 = time.perf_counter()
         t2 = t3 = t1
         if len(in_flight) >= args.steps_in_flight:
-            oldest = in_flight.popleft()
-            req_ids = list(oldest.num_scheduled_tokens)
-            outputs = scheduler.update_from_output(
-                oldest, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[7] * len(req_ids)))
+            outputs = finish_oldest(scheduler, in_flight)
             t2 = time.perf_counter()
             encode(EngineCoreOutputs(outputs=outputs))
             t3 = time.perf_counter()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import sys
 import time
 from collections import deque
 
@@ -20,9 +22,12 @@ import numpy as np
 
 from minivllm.core.scheduler import Scheduler
 from minivllm.protocol.config import EngineConfig
-from minivllm.protocol.messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from minivllm.protocol.messages import EngineCoreOutputs, EngineCoreRequest
 from minivllm.protocol.sampling_params import SamplingParams
 from minivllm.protocol.serial import encode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from scheduler_step import finish_oldest  # noqa: E402
 
 
 def main() -> None:
@@ -65,10 +70,7 @@ def main() -> None:
             in_flight.append(scheduled)
         t1 = t2 = t3 = time.perf_counter()
         if len(in_flight) >= 3 or (in_flight and not new_step):  # (nothing new: the oldest step's tokens are awaited)
-            oldest = in_flight.popleft()
-            req_ids = list(oldest.num_scheduled_tokens)
-            outputs = scheduler.update_from_output(
-                oldest, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[7] * len(req_ids)))
+            outputs = finish_oldest(scheduler, in_flight)
             t2 = time.perf_counter()
             encode(EngineCoreOutputs(outputs=outputs))
             t3 = time.perf_counter()
