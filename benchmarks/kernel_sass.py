@@ -81,9 +81,9 @@ def main() -> None:
     args = parser.parse_args()
     for fp8 in (False, True):
         cache = "*fp8e4nv" if fp8 else "*bf16"
-        block_bytes = BLOCK * KV_HEADS * (HEAD_DIM + 4) if fp8 else BLOCK * KV_HEADS * HEAD_DIM
+        block_bytes = BLOCK * KV_HEADS * (HEAD_DIM + 2) if fp8 else BLOCK * KV_HEADS * HEAD_DIM  # (bf16 scales)
         strides = dict(stride_cache_block=block_bytes, stride_k_slot=KV_HEADS * HEAD_DIM, stride_k_head=HEAD_DIM)
-        strides.update(dict(stride_v_slot=1, stride_v_head=HEAD_DIM * BLOCK, stride_v_dim=BLOCK, stride_scale_block=block_bytes // 4,
+        strides.update(dict(stride_v_slot=1, stride_v_head=HEAD_DIM * BLOCK, stride_v_dim=BLOCK, stride_scale_block=block_bytes // 2,
                             stride_scale_slot=1, stride_scale_head=BLOCK) if fp8 else
                        dict(stride_v_slot=KV_HEADS * HEAD_DIM, stride_v_head=HEAD_DIM, stride_v_dim=1, stride_scale_block=0,
                             stride_scale_slot=0, stride_scale_head=0))
@@ -91,7 +91,8 @@ def main() -> None:
                     stride_o_token=HEADS * HEAD_DIM, stride_o_head=HEAD_DIM, stride_block_table=4096, num_seqs=257,
                     num_kv_heads=KV_HEADS, stride_key_token=KV_HEADS * HEAD_DIM, stride_key_head=HEAD_DIM,
                     stride_value_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_value_head=HEAD_DIM, num_heads=HEADS)
-        pointers = {name: cache if name in ("k_cache_ptr", "v_cache_ptr") else "*fp32" if "scale" in name or "partial" in name
+        pointers = {name: cache if name in ("k_cache_ptr", "v_cache_ptr") else "*bf16" if "scale_ptr" in name
+                    else "*fp32" if "scale" in name or "partial" in name
                     else "*i32" if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr",
                                             "positions_ptr", "num_active_seqs_ptr", "arrivals_ptr")
                     else "*i64" if name == "slot_mapping_ptr"

@@ -5,11 +5,12 @@ pattern, without the attention math (GPU only).
 
 Times, in CUDA graphs: a 2 GiB device-to-device copy; a streaming read of 4 GiB; the bfloat16 cache's
 pattern (a KV head's share of a block is 16 rows of 256 bytes at a 2 KiB stride, keys and values);
-and the FP8 cache's (a head's share is one 2 KiB run of keys and one of values, plus 64 bytes of
-each's scales: worker/attention/kv_cache.py), over 256 sequences of 704 tokens in scattered blocks of
-16, as the decode benchmarks' "decode-256x700" case (benchmarks/tune_attention.py) reads them. A
-decode kernel's TB/s there over these is how close it is to what its layout allows (H100, 2026-11-26:
-bf16 3.04 TB/s, FP8 2.90, against 2.98 and 2.80 for the kernels; benchmarks/RESULTS.md).
+and the FP8 cache's (a head's share is one 2 KiB run of keys and one of values, plus 32 bytes of
+each's bfloat16 scales: worker/attention/kv_cache.py), over 256 sequences of 704 tokens in scattered
+blocks of 16, as the decode benchmarks' "decode-256x700" case (benchmarks/tune_attention.py) reads
+them. A decode kernel's TB/s there over these is how close it is to what its layout allows (H100,
+2026-11-26: bf16 3.04 TB/s, FP8 2.90 with float32 scales, against 2.98 and 2.80 for the kernels;
+benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def fp8_paged_read(k_ptr, v_ptr, tables_ptr, out_ptr, blocks_per_seq, block_byte
         acc += tl.load(k_ptr + base + head * 2048 + offs).to(tl.int32)
         acc += tl.load(v_ptr + base + head * 2048 + offs).to(tl.int32)
         if SCALES:
-            scales = base + KV_HEADS * 2048 + head * 64
-            sacc += tl.load((k_ptr + scales).to(tl.pointer_type(tl.float32), bitcast=True) + offs_s)
-            sacc += tl.load((v_ptr + scales).to(tl.pointer_type(tl.float32), bitcast=True) + offs_s)
+            scales = base + KV_HEADS * 2048 + head * 32  # 16 bfloat16 scales a head (kv_cache.py)
+            sacc += tl.load((k_ptr + scales).to(tl.pointer_type(tl.bfloat16), bitcast=True) + offs_s).to(tl.float32)
+            sacc += tl.load((v_ptr + scales).to(tl.pointer_type(tl.bfloat16), bitcast=True) + offs_s).to(tl.float32)
     tl.store(out_ptr + (seq * KV_HEADS + head), tl.sum(acc).to(tl.float32) + tl.sum(sacc))
 
 
@@ -104,11 +105,11 @@ def main() -> None:
             best = max(best, nbytes / ms / 1e9)
     print(f"bf16 paged read, 256 x 704 tokens, scattered blocks (best of 4 shapes): {best:.3f} TB/s")
     del k, v
-    block_bytes = 16 * heads * (128 + 4)
+    block_bytes = 16 * heads * (128 + 2)
     kc = torch.randint(0, 100, (num_blocks, block_bytes), device="cuda", dtype=torch.uint8)
     vc = torch.randint(0, 100, (num_blocks, block_bytes), device="cuda", dtype=torch.uint8)
     for scales in (True, False):
-        nbytes = seqs * bps * heads * 2 * (2048 + (64 if scales else 0))
+        nbytes = seqs * bps * heads * 2 * (2048 + (32 if scales else 0))
         best = 0.0
         for warps in (2, 4, 8):
             for stages in (2, 3, 4):

@@ -43,6 +43,8 @@ DEFAULT_EXECUTE_MODEL_TIMEOUT_S = 300.0
 # KV cache element type (vLLM's kv_cache_dtype): auto = the model's dtype; fp8 and fp8_e4m3 (the
 # same) = e4m3 with a scale per token and KV head (worker/attention/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Bytes of one such scale (a bfloat16): the block size in bytes depends on it, on the host too.
+FP8_SCALE_BYTES = 2
 # What a preempted request's KV becomes: recomputed later, or swapped to host memory and back
 # (needs kv_offloading_size). None: recompute (vLLM's default).
 PREEMPTION_MODES = ("recompute", "swap")

@@ -55,8 +55,8 @@ struct RopeParams {
   const __nv_bfloat16* k_norm;
   void* k_cache;                // bf16 or e4m3
   void* v_cache;
-  float* k_scale;               // e4m3 only
-  float* v_scale;
+  __nv_bfloat16* k_scale;       // e4m3 only
+  __nv_bfloat16* v_scale;
   int64_t block_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, v_dim_stride;
   int64_t scale_block_stride, scale_slot_stride, scale_head_stride;
   float eps;
@@ -279,15 +279,17 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 // A warp's head vector (lane l: dims 4 l .. 4 l + 3) as e4m3 with one scale, as kv_cache.quantize
-// does it: NaN as 0, infinities clamped, scale = max(amax / 448, 1e-12).
+// does it: NaN as 0, clamped to +-3e38, scale = max(amax / 448, 1e-12) rounded up to a bfloat16
+// value (the cache stores it as one).
 __device__ __forceinline__ uint32_t quantize_e4m3(const float (&x)[4], float& scale) {
   float v[4], amax = 0.f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    v[k] = x[k] == x[k] ? fminf(fmaxf(x[k], -3.402823466e38f), 3.402823466e38f) : 0.f;
+    v[k] = x[k] == x[k] ? fminf(fmaxf(x[k], -3.0e38f), 3.0e38f) : 0.f;  // (kv_cache.FINITE_MAX)
     amax = fmaxf(amax, fabsf(v[k]));
   }
   scale = fmaxf(__fdiv_rn(warp_max(amax), 448.f), 1e-12f);
+  scale = __uint_as_float((__float_as_uint(scale) + 0xFFFFu) & 0xFFFF0000u);
   const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[0], scale), __fdiv_rn(v[1], scale)),
                                                           __NV_SATFINITE, __NV_E4M3);
   const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[2], scale), __fdiv_rn(v[3], scale)),
@@ -396,7 +398,7 @@ __device__ __forceinline__ void rope_tokens(const float* tile, const float* smem
         uint8_t* keys = static_cast<uint8_t*>(r.k_cache) + block * r.block_stride + offset * r.k_slot_stride +
                         kv_head * r.k_head_stride;
         reinterpret_cast<uint32_t*>(keys)[lane] = e4m3;
-        if (lane == 0) r.k_scale[scale_at] = scale;
+        if (lane == 0) r.k_scale[scale_at] = __float2bfloat16_rn(scale);  // (exact)
       } else {
         // Values are stored transposed: a dim's slots are consecutive bytes, so each of the token's
         // bytes goes to a 16-byte row of its own. Store k writes dims 32 k .. 32 k + 31 (lane l: dim
@@ -410,7 +412,7 @@ __device__ __forceinline__ void rope_tokens(const float* tile, const float* smem
           const uint32_t word = __shfl_sync(0xffffffffu, e4m3, 8 * k + lane / 4);
           values[32 * k * r.v_dim_stride] = static_cast<uint8_t>(word >> (8 * (lane % 4)));
         }
-        if (lane == 0) r.v_scale[scale_at] = scale;
+        if (lane == 0) r.v_scale[scale_at] = __float2bfloat16_rn(scale);
       }
     } else {
       __nv_bfloat16* cache = static_cast<__nv_bfloat16*>(is_k ? r.k_cache : r.v_cache) + block * r.block_stride +

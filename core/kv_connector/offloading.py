@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from minivllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from minivllm.core.kv_connector.base import KVConnectorSchedulerBase
-from minivllm.protocol.config import EngineConfig
+from minivllm.protocol.config import FP8_SCALE_BYTES, EngineConfig
 from minivllm.protocol.kv_transfer import BlockCopy, KVConnectorOutput, OffloadingMetadata
 
 if TYPE_CHECKING:
@@ -167,8 +167,9 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
     head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     kv_heads_per_rank = max(1, kv_heads // config.tensor_parallel_size)
     if config.kv_cache_dtype.startswith("fp8"):
-        # e4m3 bytes plus a float32 scale per vector (worker/attention/kv_cache.py's layout)
-        return 2 * config.block_size * kv_heads_per_rank * (head_dim + 4) * int(text["num_hidden_layers"])
+        # e4m3 bytes plus a scale per vector (worker/attention/kv_cache.py's layout)
+        return (2 * config.block_size * kv_heads_per_rank * (head_dim + FP8_SCALE_BYTES)
+                * int(text["num_hidden_layers"]))
     if config.dtype == "float32":
         element_size = 4
     elif config.dtype in ("bfloat16", "float16"):

@@ -29,7 +29,7 @@ def caches(device: str, dtype: torch.dtype, fill: bool) -> list[torch.Tensor]:
     """Views of one tensor, as KVCacheLayout.allocate_layers makes them (the transport needs that)."""
     shape = (NUM_LAYERS, 2, NUM_BLOCKS, *BLOCK_SHAPE)
     if dtype == torch.uint8:  # the FP8 cache's packed rows
-        shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * (BLOCK_SHAPE[2] + 4))
+        shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * (BLOCK_SHAPE[2] + 2))
         stacked = torch.randint(0, 255, shape, dtype=dtype, device=device) if fill else \
             torch.zeros(shape, dtype=dtype, device=device)
     else:

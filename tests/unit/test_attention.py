@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.worker.attention.cpu_sdpa import SdpaAttentionBackend
-from minivllm.worker.attention.kv_cache import KVCacheLayout, dequantize, quantize
+from minivllm.worker.attention.kv_cache import FP8_MAX, KVCacheLayout, dequantize, quantize
 from minivllm.worker.attention.metadata import AttentionMetadata
 from minivllm.worker.attention.reference import ReferenceAttentionBackend, write_kv
 
@@ -52,7 +52,7 @@ def run_case(backend: str, context_lens: list[int], query_lens: list[int], block
     # slots must never leak into the output.
     layout = KVCacheLayout(block_size, NUM_KV_HEADS, HEAD_DIM, torch.float32, fp8=fp8)
     kv_cache = layout.allocate(num_blocks, torch.device("cpu"))
-    kv_cache.fill_(0xFF if fp8 else float("nan"))  # 0xFF bytes: NaN as e4m3 data and as float32 scales
+    kv_cache.fill_(0xFF if fp8 else float("nan"))  # 0xFF bytes: NaN as e4m3 data and as bfloat16 scales
 
     full_q, full_k, full_v = [], [], []
     for i, n in enumerate(seq_lens):
@@ -130,26 +130,32 @@ def test_fp8_cache_mixed_batch(backend: str, block_size: int) -> None:
 
 def test_fp8_quantization_error_is_bounded() -> None:
     """e4m3 keeps 3 mantissa bits: with a scale per vector, each element's error is at most half a
-    step of its binade (2^-4 relative), and the largest element is exact. Zeros stay zero."""
+    step of its binade (2^-4 relative). The scale is amax / 448 rounded up to a bfloat16 (what the
+    cache stores, 2^-7 apart at most), so the largest element lands on 448 and back within 2^-7 of itself.
+    Zeros stay zero."""
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(64, 4, 128, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
     data, scale = quantize(x)
+    amax_scale = x.abs().amax(dim=-1) / FP8_MAX
+    assert torch.equal(scale.to(torch.bfloat16).float(), scale)  # exactly a bfloat16
+    assert torch.all(scale >= amax_scale) and torch.all(scale <= amax_scale * (1 + 2**-7))
     back = dequantize(data, scale, torch.float32)
     assert torch.all((back - x).abs() <= x.abs() * 2**-4 + scale[..., None] * 2**-9)
     top = x.abs().argmax(dim=-1, keepdim=True)
-    torch.testing.assert_close(back.gather(-1, top), x.gather(-1, top))
+    torch.testing.assert_close(back.gather(-1, top), x.gather(-1, top), rtol=2**-7, atol=0)
     zero_data, zero_scale = quantize(torch.zeros(2, 3, 8))
     assert torch.all(dequantize(zero_data, zero_scale, torch.float32) == 0)
 
 
 def test_fp8_quantize_keeps_the_cache_finite() -> None:
     """NaN is stored as 0 and infinities clamped, so that a kernel reading a block's unused slots
-    (weighted by 0) never meets a NaN."""
-    x = torch.tensor([[1.0, float("nan"), -2.0, 0.5], [float("inf"), 1.0, float("-inf"), 0.0]])
+    (weighted by 0) never meets a NaN; float32's largest values dequantize finite too."""
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[1.0, float("nan"), -2.0, 0.5], [float("inf"), 1.0, float("-inf"), 0.0], [big, -big, 0.0, 1.0]])
     data, scale = quantize(x)
     back = dequantize(data, scale, torch.float32)
     assert torch.isfinite(back).all() and torch.isfinite(scale).all()
-    torch.testing.assert_close(back[0], torch.tensor([1.0, 0.0, -2.0, 0.5]))
+    torch.testing.assert_close(back[0], torch.tensor([1.0, 0.0, -2.0, 0.5]), rtol=2**-7, atol=0)
     assert back[1, 0] > 1e38 and back[1, 2] < -1e38
 
 
@@ -160,7 +166,7 @@ def test_fp8_block_layout() -> None:
     block_size, heads, dim, num_blocks = 4, 2, 8, 3
     layout = KVCacheLayout(block_size, heads, dim, torch.float32, fp8=True)
     cache = layout.allocate(num_blocks, torch.device("cpu"))
-    assert cache.shape == (2, num_blocks, block_size * heads * (dim + 4))
+    assert cache.shape == (2, num_blocks, block_size * heads * (dim + 2))
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(num_blocks * block_size, heads, dim, generator=gen) for _ in range(2))
     write_kv(k, v, cache, torch.arange(num_blocks * block_size), layout)
@@ -173,8 +179,8 @@ def test_fp8_block_layout() -> None:
         else:
             expected = data.view(torch.uint8).permute(0, 2, 3, 1).reshape(num_blocks, -1)
         assert torch.equal(row, expected)
-        scales = cache[which, :, data_bytes:].contiguous().view(torch.float32)
-        assert torch.equal(scales, scale.transpose(1, 2).reshape(num_blocks, -1))
+        scales = cache[which, :, data_bytes:].contiguous().view(torch.bfloat16)
+        assert torch.equal(scales.float(), scale.transpose(1, 2).reshape(num_blocks, -1))
     views = layout.split(cache)
     torch.testing.assert_close(dequantize(views.value[1, 2], views.value_scale[1, 2], torch.float32),
                                dequantize(*quantize(v[block_size + 2]), torch.float32))

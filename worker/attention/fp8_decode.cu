@@ -45,9 +45,10 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMinBlocks = 4;  // CTAs an SM keeps (caps the registers)
 constexpr int kStages = 3;  // cache blocks in each warp's ring (kStages - 1 in flight)
 // A stage: the block's keys [16 slots][128 bytes] (swizzled), values [128 dims][16 slots], then the
-// keys' and the values' 16 scales.
+// keys' and the values' 16 scales (bfloat16: 32 bytes each).
 constexpr int kKeyBytes = kBlockSize * kHeadDim;
-constexpr int kStageBytes = 2 * kKeyBytes + 2 * kBlockSize * 4;
+constexpr int kScaleBytes = kBlockSize * 2;
+constexpr int kStageBytes = 2 * kKeyBytes + 2 * kScaleBytes;
 constexpr int kSharedBytes = kWarps * kStages * kStageBytes;
 static_assert(kStages >= 2, "a ring needs a stage in flight");
 static_assert(kThreads == kHeadDim, "the merge gives each thread one dim of the output");
@@ -61,11 +62,11 @@ struct Params {
   int64_t query_stride_token, query_stride_head;  // elements
   const uint8_t* key_cache;  // e4m3, a head's block as [slot][dim] (any slot and head strides)
   const uint8_t* value_cache;  // e4m3, a head's block as [dim][slot]
-  const float* key_scale;  // [block, head, slot]
-  const float* value_scale;
+  const __nv_bfloat16* key_scale;  // [block, head, slot]
+  const __nv_bfloat16* value_scale;
   int64_t stride_block, stride_key_slot, stride_key_head;  // bytes
   int64_t stride_value_head;  // bytes (a dim's row is kBlockSize bytes)
-  int64_t stride_scale_block, stride_scale_head;  // floats (slots are consecutive)
+  int64_t stride_scale_block, stride_scale_head;  // scales (slots are consecutive)
   const int* block_tables;
   int64_t block_table_stride;
   const int* seq_lens;
@@ -140,7 +141,7 @@ __device__ __forceinline__ int key_chunk_offset(int slot, int chunk) {
 }
 
 // The warp copies cache block `block_id` of kv_head into the stage at `stage` (a shared address):
-// each lane 4 chunks of the keys, 4 of the values and, lanes 0-7, one of the scales.
+// each lane 4 chunks of the keys, 4 of the values and, lanes 0-3, one of the scales.
 __device__ __forceinline__ void copy_block(uint32_t stage, const Params& p, int64_t block_id, int kv_head, int lane) {
   const uint8_t* keys = p.key_cache + block_id * p.stride_block + kv_head * p.stride_key_head;
   const uint8_t* values = p.value_cache + block_id * p.stride_block + kv_head * p.stride_value_head;
@@ -150,10 +151,10 @@ __device__ __forceinline__ void copy_block(uint32_t stage, const Params& p, int6
     cp_async_16(stage + key_chunk_offset(slot, chunk % 8), keys + slot * p.stride_key_slot + (chunk % 8) * 16);
     cp_async_16(stage + kKeyBytes + chunk * 16, values + chunk * 16);  // a head's values: one 2 KiB run
   }
-  if (lane < 8) {
-    const float* scales = (lane < 4 ? p.key_scale : p.value_scale) + block_id * p.stride_scale_block +
-                          kv_head * p.stride_scale_head;
-    cp_async_16(stage + 2 * kKeyBytes + lane * 16, scales + (lane % 4) * 4);
+  if (lane < 4) {
+    const __nv_bfloat16* scales = (lane < 2 ? p.key_scale : p.value_scale) + block_id * p.stride_scale_block +
+                                  kv_head * p.stride_scale_head;
+    cp_async_16(stage + 2 * kKeyBytes + lane * 16, scales + (lane % 2) * 8);
   }
 }
 
@@ -176,11 +177,11 @@ __device__ __forceinline__ void read_tile(Tile& tile, const uint8_t* stage, int 
     tile.value[2 * j] = *reinterpret_cast<const uint32_t*>(values + 16 * kBlockSize * j);
     tile.value[2 * j + 1] = *reinterpret_cast<const uint32_t*>(values + 16 * kBlockSize * j + 8 * kBlockSize);
   }
-  const float* scales = reinterpret_cast<const float*>(stage + 2 * kKeyBytes);
-  tile.key_scale[0] = scales[slot0];
-  tile.key_scale[1] = scales[slot1];
-  tile.value_scale[0] = scales[kBlockSize + slot0];
-  tile.value_scale[1] = scales[kBlockSize + slot1];
+  const __nv_bfloat16* scales = reinterpret_cast<const __nv_bfloat16*>(stage + 2 * kKeyBytes);
+  tile.key_scale[0] = __bfloat162float(scales[slot0]);
+  tile.key_scale[1] = __bfloat162float(scales[slot1]);
+  tile.value_scale[0] = __bfloat162float(scales[kBlockSize + slot0]);
+  tile.value_scale[1] = __bfloat162float(scales[kBlockSize + slot1]);
 }
 
 struct SoftmaxState {
@@ -423,7 +424,7 @@ extern "C" int minivllm_fp8_decode(
   if (num_seqs == 0) return 0;
   Params p{out, out_stride_token, out_stride_head, query, query_stride_token, query_stride_head,
            static_cast<const uint8_t*>(key_cache), static_cast<const uint8_t*>(value_cache),
-           static_cast<const float*>(key_scale), static_cast<const float*>(value_scale), stride_block,
+           static_cast<const __nv_bfloat16*>(key_scale), static_cast<const __nv_bfloat16*>(value_scale), stride_block,
            stride_key_slot, stride_key_head, stride_value_head, stride_scale_block, stride_scale_head, block_tables,
            block_table_stride, seq_lens, seq_order, query_start_loc, group, scale_log2, num_splits,
            static_cast<float*>(partial_out), static_cast<float*>(partial_max), static_cast<float*>(partial_sum)};

@@ -4,13 +4,16 @@ Plain (kv_cache_dtype="auto"): one tensor of the model's dtype,
     kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]   (K = [0], V = [1]).
 
 FP8 (kv_cache_dtype="fp8", vLLM's name; the format is e4m3): each key and value vector (one token,
-one KV head) is stored as head_dim e4m3 bytes plus one float32 scale, amax(|x|) / 448, so the
-largest element maps to e4m3's largest finite value and every vector uses the format's whole
-range (one per-tensor scale, as vLLM's default, can leave outlier-free heads with a few
-significant bits). A block keeps its data and then its scales in one uint8 row:
-    kv_cache[2, num_blocks, block_bytes], block_bytes = block_size * num_kv_heads * (head_dim + 4)
-    K row = [num_kv_heads, block_size, head_dim] e4m3 | [num_kv_heads, block_size] float32 scales
-    V row = [num_kv_heads, head_dim, block_size] e4m3 | [num_kv_heads, block_size] float32 scales
+one KV head) is stored as head_dim e4m3 bytes plus one bfloat16 scale, amax(|x|) / 448 rounded up
+to a bfloat16, so the largest element maps to (at most) e4m3's largest finite value and every
+vector uses the format's whole range (one per-tensor scale, as vLLM's default, can leave
+outlier-free heads with a few significant bits). The scale's 8 significant bits cost nothing the
+data's 4 would notice, and half the bytes of a float32 one: the decode kernels read an FP8 cache
+1.9% faster so (benchmarks/results/2026-11-27-host-gaps/). A block keeps its data and then its
+scales in one uint8 row:
+    kv_cache[2, num_blocks, block_bytes], block_bytes = block_size * num_kv_heads * (head_dim + 2)
+    K row = [num_kv_heads, block_size, head_dim] e4m3 | [num_kv_heads, block_size] bfloat16 scales
+    V row = [num_kv_heads, head_dim, block_size] e4m3 | [num_kv_heads, block_size] bfloat16 scales
 Everything is stored head by head, so that one head's share of a block (what one attention program
 reads) is one run of bytes: 2 KiB of keys and 2 KiB of values at head_dim 128 and blocks of 16 (with
 keys [block_size, num_kv_heads, head_dim], as the plain cache has them, the decode kernels read
@@ -19,10 +22,10 @@ consecutive tokens), because that is how the attention kernels consume them: the
 consecutive keys side by side, and 8-bit data, unlike 16-bit, cannot be transposed on its way
 from shared memory to the tensor cores (with values stored like keys the decode kernel loaded them
 byte by byte). `split` hides this: its views are indexed [block, slot, head, dim] either way.
-Stored vectors never hold NaN or infinity (they are replaced by 0 and clamped before quantizing),
+Stored vectors never hold NaN or infinity (they are replaced by 0 and clamped to +-FINITE_MAX first),
 so a kernel may read a whole block's slots, written or not, and zero the unused ones by their
 weights.
-The scales cost 4 / head_dim of the bytes (3% at head_dim 128); the cache holds about twice the
+The scales cost 2 / head_dim of the bytes (1.6% at head_dim 128); the cache holds about twice the
 tokens of a bf16 one and a decode step reads about half the bytes.
 
 Either way kv_cache[:, block_id] is the whole state of one block, so whatever copies blocks
@@ -36,12 +39,18 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from minivllm.protocol.config import FP8_SCALE_BYTES
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
-SCALE_BYTES = 4  # one float32 per (token, KV head)
+SCALE_DTYPE = torch.bfloat16  # one per (token, KV head)
+SCALE_BYTES = FP8_SCALE_BYTES
+assert torch.empty((), dtype=SCALE_DTYPE).element_size() == SCALE_BYTES
 # A vector of zeros gets this scale instead of 0, so dequantizing never divides by zero.
 MIN_SCALE = 1e-12
+# Elements are clamped to +-this before quantizing (below float32's largest by more than the scale's
+# rounding up, so that every stored vector dequantizes to finite values).
+FINITE_MAX = 3.0e38
 
 
 class KVCacheViews(NamedTuple):
@@ -49,7 +58,7 @@ class KVCacheViews(NamedTuple):
     read strides off them, never assume contiguity."""
     key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], model dtype or e4m3
     value: torch.Tensor
-    key_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] float32 (FP8 only)
+    key_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] bfloat16 (FP8 only)
     value_scale: torch.Tensor | None
 
 
@@ -91,7 +100,7 @@ class KVCacheLayout:
         data = kv_cache[:, :, : size * heads * dim].view(FP8_DTYPE)
         key = data[0].view(num_blocks, heads, size, dim).permute(0, 2, 1, 3)
         value = data[1].view(num_blocks, heads, dim, size).permute(0, 3, 1, 2)
-        scales = kv_cache[:, :, size * heads * dim :].view(torch.float32).view(2, num_blocks, heads, size).transpose(2, 3)
+        scales = kv_cache[:, :, size * heads * dim :].view(SCALE_DTYPE).view(2, num_blocks, heads, size).transpose(2, 3)
         return KVCacheViews(key, value, scales[0], scales[1])
 
 
@@ -116,11 +125,24 @@ def plain_layout(kv_cache: torch.Tensor) -> KVCacheLayout:
     return KVCacheLayout(block_size, num_kv_heads, head_dim, kv_cache.dtype)
 
 
+def round_up_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """Positive finite float32 x -> the least bfloat16 value >= x, as float32 (exactly stored as a
+    bfloat16). Clearing the low 16 bits after adding 0xFFFF carries into the exponent as needed.
+    The kernels that store scales do the same."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (e4m3 [..., head_dim], float32 scale [...]) with x ~= e4m3 * scale.
-    NaN becomes 0 and infinities the largest float32 (the cache must hold finite values only)."""
-    x = torch.nan_to_num(x.float(), nan=0.0)
-    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    """x [..., head_dim] -> (e4m3 [..., head_dim], scale [...]) with x ~= e4m3 * scale; the scale is
+    float32 holding a bfloat16 value (amax / FP8_MAX rounded up, so no element maps past FP8_MAX).
+    NaN becomes 0 and anything past +-FINITE_MAX (infinities too) is clamped to it: the cache must
+    hold finite values only, and 448 times a scale rounded up from float32's largest would not be."""
+    x = torch.nan_to_num(x.float(), nan=0.0).clamp(-FINITE_MAX, FINITE_MAX)
+    amax = x.abs().amax(dim=-1)
+    # A true division, as the kernels' (on CUDA torch divides by a Python number as a multiplication
+    # by its reciprocal, an ulp off at times, which the rounding up can turn into a bfloat16 step).
+    scale = round_up_to_bfloat16((amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE))
     return (x / scale[..., None]).to(FP8_DTYPE), scale
 
 
@@ -144,7 +166,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     for cache, scale_cache, x in ((views.key, views.key_scale, key), (views.value, views.value_scale, value)):
         data, scale = quantize(x)
         cache.view(torch.uint8)[blocks, offsets] = data.view(torch.uint8)  # no float8 index_put on the CPU
-        scale_cache[blocks, offsets] = scale
+        scale_cache[blocks, offsets] = scale.to(scale_cache.dtype)  # (exact: quantize rounds to one)
 
 
 def gather(views: KVCacheViews, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

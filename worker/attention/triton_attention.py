@@ -136,11 +136,14 @@ def write_kv_heads(
 
 @triton.jit
 def quantize_rows(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """x [rows, dims] -> (x / scale in float32, ready to cast to e4m3; scale [rows] = amax / FP8_MAX),
-    NaN taken as 0 and infinities clamped to float32's range first."""
+    """x [rows, dims] -> (x / scale in float32, ready to cast to e4m3; scale [rows] = amax / FP8_MAX
+    rounded up to a bfloat16 value, as kv_cache.quantize), NaN taken as 0 and anything past
+    +-FINITE_MAX (infinities too) clamped to it first."""
     x = x.to(tl.float32)
-    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.4028234663852886e38), 3.4028234663852886e38)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, MIN_SCALE)
+    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.0e38), 3.0e38)  # (kv_cache.FINITE_MAX)
+    # (IEEE division, as torch's and the CUDA epilogue's: the rounding up below must start from the same value)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), MIN_SCALE)
+    scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
     return x / scale[:, None], scale
 
 
@@ -309,9 +312,9 @@ def _fp8_values_product(
     scale folded into p whole could underflow float16). MASKED: whole blocks are loaded
     (block_valid) and keys past the end (not n_valid) weigh 0."""
     if MASKED:
-        v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid), 0.0)
+        v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid).to(tl.float32), 0.0)
     else:
-        v_scale = tl.load(v_scale_ptr + scale_cols)
+        v_scale = tl.load(v_scale_ptr + scale_cols).to(tl.float32)
     v_scale_max = tl.max(v_scale, axis=0)
     p = p * (v_scale / v_scale_max)[None, :]
     if BLOCK_N % BLOCK_SIZE == 0:
@@ -430,9 +433,9 @@ def _attend_key_tile(
     if FP8:
         scale_cols = block_ids * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
         if MASKED:
-            scores = scores * tl.load(k_scale_ptr + scale_cols, mask=block_valid)[None, :]
+            scores = scores * tl.load(k_scale_ptr + scale_cols, mask=block_valid).to(tl.float32)[None, :]
         else:
-            scores = scores * tl.load(k_scale_ptr + scale_cols)[None, :]
+            scores = scores * tl.load(k_scale_ptr + scale_cols).to(tl.float32)[None, :]
     visible = None
     if MASKED:
         visible = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :]
@@ -780,7 +783,7 @@ def _paged_decode_kernel(
             scores = tl.dot(q, tl.trans(k).to(q.dtype))
         if FP8:  # each key's column of scores takes that key's scale
             scale_cols = block_ids * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
-            scores = scores * tl.load(k_scale_ptr + scale_cols, mask=block_valid)[None, :]
+            scores = scores * tl.load(k_scale_ptr + scale_cols, mask=block_valid).to(tl.float32)[None, :]
         scores = tl.where(n_valid[None, :], scores * scale_log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.math.exp2(scores - m_new[:, None])
