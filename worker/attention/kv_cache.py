@@ -8,9 +8,9 @@ one KV head) is stored as head_dim e4m3 bytes plus one bfloat16 scale, amax(|x|)
 to a bfloat16, so the largest element maps to (at most) e4m3's largest finite value and every
 vector uses the format's whole range (one per-tensor scale, as vLLM's default, can leave
 outlier-free heads with a few significant bits). The scale's 8 significant bits cost nothing the
-data's 4 would notice, and half the bytes of a float32 one: the decode kernels read an FP8 cache
-1.9% faster so (benchmarks/results/2026-11-27-host-gaps/). A block keeps its data and then its
-scales in one uint8 row:
+data's 4 would notice, and half the bytes of a float32 one: a decode step's bare reads take 1.9%
+less time so, the CUDA decode kernel ~1% (H100, benchmarks/results/2026-11-27-host-gaps/). A block
+keeps its data and then its scales in one uint8 row:
     kv_cache[2, num_blocks, block_bytes], block_bytes = block_size * num_kv_heads * (head_dim + 2)
     K row = [num_kv_heads, block_size, head_dim] e4m3 | [num_kv_heads, block_size] bfloat16 scales
     V row = [num_kv_heads, head_dim, block_size] e4m3 | [num_kv_heads, block_size] bfloat16 scales
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
 from minivllm.protocol.config import FP8_SCALE_BYTES
 
 FP8_DTYPE = torch.float8_e4m3fn
