@@ -45,8 +45,7 @@ from minivllm.protocol.config import FP8_SCALE_BYTES
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_DTYPE = torch.bfloat16  # one per (token, KV head)
-SCALE_BYTES = FP8_SCALE_BYTES
-assert torch.empty((), dtype=SCALE_DTYPE).element_size() == SCALE_BYTES
+assert torch.empty((), dtype=SCALE_DTYPE).element_size() == FP8_SCALE_BYTES
 # A vector of zeros gets this scale instead of 0, so dequantizing never divides by zero.
 MIN_SCALE = 1e-12
 # Elements are clamped to +-this before quantizing (below float32's largest by more than the scale's
@@ -76,7 +75,7 @@ class KVCacheLayout:
         """Bytes of one block of K (or of V) in one layer."""
         tokens_heads = self.block_size * self.num_kv_heads
         if self.fp8:
-            return tokens_heads * (self.head_dim + SCALE_BYTES)
+            return tokens_heads * (self.head_dim + FP8_SCALE_BYTES)
         return tokens_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
