@@ -118,17 +118,13 @@ def test_kernel_equals_reference(dtype, head_dim, heads_per_kv, cases, block_siz
 
 # head_dim 96: rows past the head's 96 padded to 128; block size 7: tiles that blocks do not tile
 # (values read key by key, not block by block)
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-@pytest.mark.parametrize("heads_per_kv", [1, 4])
-@pytest.mark.parametrize("block_size", [16, 32, 7])
-@pytest.mark.parametrize("cases", [MIXED, DECODES, LARGE_MIXED], ids=["mixed", "decode", "large"])
-def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True, num_splits=None) -> None:
-    """kv_cache_dtype="fp8": store_kv quantizes as the reference does (to within one e4m3 step
-    where float division rounds differently), and the kernel attends over exactly what the cache
-    holds (the reference reading the same FP8 cache)."""
-    num_kv_heads, dtype = 2, torch.bfloat16
+def fp8_step(cases, num_kv_heads: int, heads_per_kv: int, head_dim: int, block_size: int, seed: int,
+             split_decodes: bool = True):
+    """make_batch's step over an FP8 cache: every cached prefix written (keys 5x the values' scale),
+    then the step's own keys and values. -> q, k, v, cache, metadata."""
+    dtype = torch.bfloat16
     q, k, v, _, plain = make_batch(cases, num_kv_heads * heads_per_kv, num_kv_heads, head_dim, block_size, dtype,
-                                   seed=head_dim * heads_per_kv + block_size)
+                                   seed=seed)
     layout = KVCacheLayout(block_size, num_kv_heads, head_dim, dtype, fp8=True)
     metadata = dataclasses.replace(plain, kv_layout=layout, split_decodes=split_decodes)
     num_blocks = int(metadata.block_tables.max()) + 3
@@ -146,7 +142,40 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True
              torch.randn(prefix.numel(), num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype),
              cache, prefix, layout)
     store_kv(k, v, cache, metadata.slot_mapping, layout)
+    return q, k, v, cache, metadata
 
+
+def reference_with_own_chunks(q, k, v, cache, metadata) -> torch.Tensor:
+    """The reference as the model calls the kernels over an FP8 cache: a chunk of several tokens
+    attends its own keys unquantized (k, v), the context before it as the cache holds it; a decode
+    (split_decodes) reads its key from the cache."""
+    layout = metadata.kv_layout
+    views = layout.split(cache)
+    plain = torch.zeros(kv_cache_shape(views.key.shape[0], layout.block_size, layout.num_kv_heads, layout.head_dim),
+                        device="cuda")
+    plain[0] = dequantize(views.key, views.key_scale, torch.float32)
+    plain[1] = dequantize(views.value, views.value_scale, torch.float32)
+    from_cache = reference_attention(q.float(), plain, dataclasses.replace(metadata, kv_layout=None),
+                                     layout.head_dim**-0.5)
+    write_kv(k.float(), v.float(), plain, metadata.slot_mapping)
+    expected = reference_attention(q.float(), plain, dataclasses.replace(metadata, kv_layout=None),
+                                   layout.head_dim**-0.5)
+    query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
+    decode_rows = torch.repeat_interleave((query_lens == 1) & metadata.split_decodes, query_lens)[:, None, None]
+    return torch.where(decode_rows, from_cache, expected)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("heads_per_kv", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 32, 7])
+@pytest.mark.parametrize("cases", [MIXED, DECODES, LARGE_MIXED], ids=["mixed", "decode", "large"])
+def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True, num_splits=None) -> None:
+    """kv_cache_dtype="fp8": store_kv quantizes as the reference does (to within one e4m3 step
+    where float division rounds differently), and the kernel attends over exactly what the cache
+    holds (the reference reading the same FP8 cache)."""
+    q, k, v, cache, metadata = fp8_step(cases, 2, heads_per_kv, head_dim, block_size,
+                                        seed=head_dim * heads_per_kv + block_size, split_decodes=split_decodes)
+    layout = metadata.kv_layout
     views = layout.split(cache)
     blocks, offsets = metadata.slot_mapping // block_size, metadata.slot_mapping % block_size
     for data, scales, x in ((views.key, views.key_scale, k), (views.value, views.value_scale, v)):
@@ -164,28 +193,60 @@ def test_fp8_cache(head_dim, heads_per_kv, block_size, cases, split_decodes=True
     error = (out.float() - expected).norm() / expected.norm()
     assert error < 1e-2, f"relative error {error:.2e}"
 
-    # As the model calls it: a chunk of several tokens attends its own keys unquantized (k, v),
-    # the context before it as the cache holds it; a decode reads its key from the cache (in the
-    # decode kernel; the prefill kernel takes it as a one-token chunk). A large step's chunks
-    # without a cached context go to the plain kernel.
+    # As the model calls it (reference_with_own_chunks). A large step's chunks without a cached
+    # context go to the plain kernel, those after one to _cached_prefill_kernel.
     if cases is LARGE_MIXED:
-        assert prefill_config(q.shape[0], dtype, head_dim, True) is PREFILL_FP8
-    plain = torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), device="cuda")
-    plain[0] = dequantize(views.key, views.key_scale, torch.float32)
-    plain[1] = dequantize(views.value, views.value_scale, torch.float32)
-    write_kv(k.float(), v.float(), plain, metadata.slot_mapping)
-    expected_fresh = reference_attention(q.float(), plain, dataclasses.replace(metadata, kv_layout=None),
-                                         head_dim**-0.5)
-    query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
-    decode_rows = torch.repeat_interleave((query_lens == 1) & split_decodes, query_lens)[:, None, None]
-    expected_fresh = torch.where(decode_rows, expected, expected_fresh)
+        assert prefill_config(q.shape[0], torch.bfloat16, head_dim, True) is PREFILL_FP8
+    expected_fresh = reference_with_own_chunks(q, k, v, cache, metadata)
     out = torch.full_like(q, float("nan"))
     paged_attention(q, cache, metadata, head_dim**-0.5, out=out, key=k, value=v, num_splits=num_splits)
     assert not out.isnan().any()
     error = (out.float() - expected_fresh).norm() / expected_fresh.norm()
     assert error < 1e-2, f"relative error against the chunk unquantized {error:.2e}"
+    query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
     if (query_lens > 1).any():  # and it is not what reading the chunk's FP8 keys gives
         assert (out.float() - expected).norm() / expected.norm() > 2 * error
+
+
+# A large FP8 step with long chunks after cached contexts (hundreds of their tiles), decodes, fresh
+# prompts, and a chunk whose context is one token.
+CACHED_CHUNKS = [(0, 300), (900, 1), (2000, 700), (1, 33), (40, 1), (129, 1200), (0, 90), (17, 2)]
+
+
+@pytest.mark.parametrize("num_sms", [1, None], ids=["two-programs", "as-many-as-the-gpu-has"])
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-padding"])
+@pytest.mark.parametrize("heads_per_kv", [1, 2, 8])
+def test_fp8_cached_chunks_kernel(monkeypatch, num_sms, padded, heads_per_kv) -> None:
+    """_cached_prefill_kernel runs a few programs over the cached chunks' (tile, head) pairs, each
+    taking every n-th: with two programs (one SM's worth) each takes 18-123 in turn, and every
+    row still equals the reference; fresh prompts' rows (the plain kernel's) and decodes' too.
+    With a CUDA graph's padding (an empty-length sequence holding padding tokens, empty ones
+    after it, num_active_seqs counting the real ones and the padding one) the padding rows come
+    out 0."""
+    from minivllm.worker.attention import triton_attention
+
+    if num_sms is not None:
+        monkeypatch.setattr(triton_attention, "_num_sms", lambda device: num_sms)
+    q, k, v, cache, metadata = fp8_step(CACHED_CHUNKS, 2, heads_per_kv, 128, 16, seed=heads_per_kv)
+    expected = reference_with_own_chunks(q, k, v, cache, metadata)
+    num_tokens = q.shape[0]
+    pad_tokens = 5 if padded else 0
+    if padded:
+        metadata = dataclasses.replace(
+            with_graph_padding(metadata, num_tokens, pad_tokens), kv_layout=metadata.kv_layout,
+            num_active_seqs=torch.tensor([len(CACHED_CHUNKS) + 1], dtype=torch.int32, device="cuda"))
+    assert prefill_config(num_tokens + pad_tokens, torch.bfloat16, 128, True) is PREFILL_FP8
+    query = torch.cat([q, torch.randn_like(q[:pad_tokens])])
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, cache, metadata, 128**-0.5, out=out,
+                    key=torch.cat([k, torch.randn_like(k[:pad_tokens])]),
+                    value=torch.cat([v, torch.randn_like(v[:pad_tokens])]))
+    assert torch.equal(out[num_tokens:], torch.zeros_like(out[num_tokens:]))
+    starts = metadata.query_start_loc.tolist()
+    for i, (context, chunk) in enumerate(CACHED_CHUNKS):
+        rows = slice(starts[i], starts[i + 1])
+        error = (out[rows].float() - expected[rows]).norm() / expected[rows].norm()
+        assert error < 1e-2, f"sequence {i} ({chunk} tokens after {context}): relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("block_size", [32, 7])

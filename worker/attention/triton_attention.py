@@ -21,6 +21,11 @@ tokens and sequences, so the kernel can be captured in a CUDA graph.
 Padding rows (in CUDA-graph buckets) have seq_len 0 and slot -1: nothing is written for
 them and their output is zero.
 
+A large step over an FP8 cache takes two launches: its fresh prompts on the plain kernel (they
+read no cache), its chunks after a cached context on _cached_prefill_kernel, a few programs that
+read the step's query lengths whole and loop over those chunks' tiles only (a grid of every
+possible tile would be ~30 waves of programs that exit).
+
 Decode: one program per (sequence, KV head, split): the GQA group's query heads form one tile
 (in a prefill tile a decode would fill a single row of BLOCK_M), and when a decode-only batch is
 too small to fill the GPU each sequence's keys are split across several programs whose partial
@@ -459,79 +464,25 @@ def _attend_key_tile(
     return acc, l_i, m_new
 
 
-# Which sequences a prefill launch takes (the kernel's WHICH_SEQS; paged_attention).
-ALL_SEQS: tl.constexpr = tl.constexpr(0)
-CACHED_SEQS: tl.constexpr = tl.constexpr(1)
-FRESH_SEQS: tl.constexpr = tl.constexpr(2)
-
-
 @triton.jit
-def _paged_attention_kernel(
+def _attend_query_tile(
     out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_active_seqs_ptr,
-    scale_log2e, num_seqs, num_kv_heads,
+    block_table, q_start, q_len, seq_len, tile_in_seq, kv_head, split, num_used, context_tiles, arrival,
+    scale_log2e,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
     stride_scale_block, stride_scale_slot, stride_scale_head,
-    stride_block_table,
     partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
-    SPLIT_DECODES: tl.constexpr, NUM_SPLITS: tl.constexpr, WHICH_SEQS: tl.constexpr = ALL_SEQS,
+    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    """SPLIT_DECODES: one-token sequences are the decode kernel's (else this kernel takes them too).
-    NUM_SPLITS > 1 (program_id(1) is the split): a sequence's cached context, the whole key tiles
-    before its chunk, is shared out among up to NUM_SPLITS programs per query tile, by its length
-    (_context_splits): a short chunk after a long prefix would otherwise leave most SMs idle, its
-    few tiles each walking the whole prefix. The last split also takes the rest (the causal
-    diagonal, an FP8 chunk's own keys). Splits of a tile that has several write their partial
-    softmax states ([token, head, split]) and count themselves in at arrivals_ptr[program_id(0)];
-    the last to arrive merges the states, writes the output and sets the count back to 0, so no
-    second kernel runs. A tile with one split writes its output as without splitting.
-    FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
-    [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
-    Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
-    have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched.
-    WHICH_SEQS: ALL_SEQS, or only the sequences with a context cached before their chunk
-    (CACHED_SEQS), or only those without one (FRESH_SEQS); the others' programs exit."""
-    # Programs run roughly in launch order, and a causal tile's work grows with its position, so
-    # the last tiles go first (every KV head's) and the short ones fill the tail. Sequence s owns
-    # tiles up to query_start_loc[s + 1] // BLOCK_Q + s, so the active ones own fewer than
-    # num_tiles; the programs past those (the empty sequences', last in launch order) just exit.
-    pid = tl.program_id(0)
-    kv_head = pid % num_kv_heads
-    if ACTIVE_SEQS:
-        num_seqs = tl.load(num_active_seqs_ptr)
-        num_tiles = tl.load(query_start_loc_ptr + num_seqs) // BLOCK_Q + num_seqs
-    else:
-        num_tiles = tl.num_programs(0) // num_kv_heads
-    tile = num_tiles - 1 - pid // num_kv_heads
-    if tile < 0:
-        return
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tile_in_seq = tile - (q_start // BLOCK_Q + seq)
-    # A one-token sequence (a decode) is the decode kernel's, which wastes no tile rows on it
-    # (unless the step has no decode kernel: SPLIT_DECODES off).
-    if tile_in_seq * BLOCK_Q >= q_len or (SPLIT_DECODES and q_len == 1):
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    """Query tile tile_in_seq of a sequence (its chunk's rows [q_start, q_start + q_len), seq_len
+    keys in all, block_table its row) for kv_head's heads, written to out: the prefill kernels'
+    work once a program knows its tile. With NUM_SPLITS > 1, split `split` of num_used over
+    context_tiles whole key tiles of its context; arrival is its count's place in arrivals_ptr."""
     context_len = seq_len - q_len  # tokens cached before this step's chunk
-    if WHICH_SEQS == CACHED_SEQS and context_len <= 0:
-        return
-    if WHICH_SEQS == FRESH_SEQS and context_len > 0:
-        return
-    split = 0
-    num_used = 1
-    if NUM_SPLITS > 1:
-        split = tl.program_id(1)
-        context_tiles = tl.maximum(context_len, 0) // BLOCK_N
-        num_used = _context_splits(context_tiles, NUM_SPLITS)
-        if split >= num_used:
-            return
 
     # Row m of the tile is query token (tile_in_seq * BLOCK_Q + m // HEADS_PER_KV) of the chunk,
     # head (kv_head * HEADS_PER_KV + m % HEADS_PER_KV).
@@ -553,7 +504,6 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
 
     # The keys read from the cache, [0, cache_end): the context before the chunk when the chunk's
     # own keys come from key_ptr / value_ptr (every row sees all of it), else all up to the tile's
@@ -621,16 +571,161 @@ def _paged_attention_kernel(
                      mask=row_valid[:, None])
             # Every thread's stores before the count (its release), as a semaphore does.
             tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            arrived = tl.atomic_add(arrivals_ptr + arrival, 1, sem="acq_rel", scope="gpu")
             writes_out = arrived == num_used - 1
             if writes_out:
-                tl.store(arrivals_ptr + pid, 0)
+                tl.store(arrivals_ptr + arrival, 0)
                 acc, l_i = _merge_split_states(partial_out_ptr, partial_max_ptr, partial_sum_ptr, state, num_used,
                                                row_valid, offs_d, BLOCK_M, HEAD_DIM_PADDED)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = (q_start + token_in_chunk).to(tl.int64) * stride_o_token + head * stride_o_head
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None] & d_valid[None, :] & writes_out)
+
+
+# Which sequences a prefill launch takes (paged_attention): _paged_attention_kernel's WHICH_SEQS, all
+# or those without a cached context; those with one go to _cached_prefill_kernel (CACHED_SEQS).
+ALL_SEQS: tl.constexpr = tl.constexpr(0)
+CACHED_SEQS: tl.constexpr = tl.constexpr(1)
+FRESH_SEQS: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_active_seqs_ptr,
+    scale_log2e, num_seqs, num_kv_heads,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
+    stride_block_table,
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
+    HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
+    SPLIT_DECODES: tl.constexpr, NUM_SPLITS: tl.constexpr, WHICH_SEQS: tl.constexpr = ALL_SEQS,
+):
+    """SPLIT_DECODES: one-token sequences are the decode kernel's (else this kernel takes them too).
+    NUM_SPLITS > 1 (program_id(1) is the split): a sequence's cached context, the whole key tiles
+    before its chunk, is shared out among up to NUM_SPLITS programs per query tile, by its length
+    (_context_splits): a short chunk after a long prefix would otherwise leave most SMs idle, its
+    few tiles each walking the whole prefix. The last split also takes the rest (the causal
+    diagonal, an FP8 chunk's own keys). Splits of a tile that has several write their partial
+    softmax states ([token, head, split]) and count themselves in at arrivals_ptr[program_id(0)];
+    the last to arrive merges the states, writes the output and sets the count back to 0, so no
+    second kernel runs. A tile with one split writes its output as without splitting.
+    FRESH_KV: the chunk's own keys and values come from key_ptr / value_ptr (this step's,
+    [token, kv_head, dim]); only the context cached before the chunk is read from the cache.
+    Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
+    have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched.
+    WHICH_SEQS: ALL_SEQS, or only the sequences without a context cached before their chunk
+    (FRESH_SEQS); the others' programs exit. (Those with one: _cached_prefill_kernel.)"""
+    # Programs run roughly in launch order, and a causal tile's work grows with its position, so
+    # the last tiles go first (every KV head's) and the short ones fill the tail. Sequence s owns
+    # tiles up to query_start_loc[s + 1] // BLOCK_Q + s, so the active ones own fewer than
+    # num_tiles; the programs past those (the empty sequences', last in launch order) just exit.
+    pid = tl.program_id(0)
+    kv_head = pid % num_kv_heads
+    if ACTIVE_SEQS:
+        num_seqs = tl.load(num_active_seqs_ptr)
+        num_tiles = tl.load(query_start_loc_ptr + num_seqs) // BLOCK_Q + num_seqs
+    else:
+        num_tiles = tl.num_programs(0) // num_kv_heads
+    tile = num_tiles - 1 - pid // num_kv_heads
+    if tile < 0:
+        return
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile_in_seq = tile - (q_start // BLOCK_Q + seq)
+    # A one-token sequence (a decode) is the decode kernel's, which wastes no tile rows on it
+    # (unless the step has no decode kernel: SPLIT_DECODES off).
+    if tile_in_seq * BLOCK_Q >= q_len or (SPLIT_DECODES and q_len == 1):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # tokens cached before this step's chunk
+    if WHICH_SEQS == FRESH_SEQS and context_len > 0:
+        return
+    split = 0
+    num_used = 1
+    context_tiles = 0
+    if NUM_SPLITS > 1:
+        split = tl.program_id(1)
+        context_tiles = tl.maximum(context_len, 0) // BLOCK_N
+        num_used = _context_splits(context_tiles, NUM_SPLITS)
+        if split >= num_used:
+            return
+    _attend_query_tile(
+        out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_block_table, q_start, q_len, seq_len, tile_in_seq, kv_head,
+        split, num_used, context_tiles, pid, scale_log2e,
+        stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+        stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+        stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+        stride_scale_block, stride_scale_slot, stride_scale_head,
+        partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
+        HEADS_PER_KV, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N,
+        IEEE_FP32, FP8, FRESH_KV, NUM_SPLITS)
+
+
+@triton.jit
+def _cached_prefill_kernel(
+    out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_active_seqs_ptr,
+    scale_log2e, num_seqs, num_kv_heads,
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
+    stride_block_table,
+    HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
+    SPLIT_DECODES: tl.constexpr, MAX_SEQS: tl.constexpr,
+):
+    """The query tiles of the chunks after a cached context only (sequences with tokens this step
+    and keys before them; not the decode kernel's one-token ones under SPLIT_DECODES), on as few
+    programs as fill the GPU, each taking every num_programs-th (tile, KV head) in turn.
+
+    In an FP8 step these are few (a long prompt's next chunk) among many fresh prompts, but the
+    launch is sized for the worst case, every token a cached chunk's, and inside a CUDA graph it
+    cannot be sized per step. Launched at one program per possible tile and head, ~4,000 programs
+    (one an SM) mostly found their tile fresh and exited, ~30 waves of them, and the real tiles (an
+    early sequence's, last in launch order) ran after those. Here each program reads the step's
+    query_start_loc and seq_lens whole (MAX_SEQS >= num_seqs, a power of 2) and numbers the cached
+    chunks' tiles [0, total); items (tile, head) go last tile first (the most causal keys), a
+    tile's heads together."""
+    pid = tl.program_id(0)
+    if ACTIVE_SEQS:
+        num_seqs = tl.load(num_active_seqs_ptr)
+    offs = tl.arange(0, MAX_SEQS)
+    in_step = offs < num_seqs
+    q_starts = tl.load(query_start_loc_ptr + offs, mask=in_step, other=0)
+    q_lens = tl.load(query_start_loc_ptr + offs + 1, mask=in_step, other=0) - q_starts
+    context_lens = tl.load(seq_lens_ptr + offs, mask=in_step, other=0) - q_lens
+    takes = in_step & (context_lens > 0) & (q_lens > (1 if SPLIT_DECODES else 0))
+    tiles = tl.where(takes, (q_lens + BLOCK_Q - 1) // BLOCK_Q, 0)
+    tiles_through = tl.cumsum(tiles, 0)  # sequence s owns tiles [tiles_through[s] - tiles[s], tiles_through[s])
+    total = tl.sum(tiles, 0)
+    for item in range(pid, total * num_kv_heads, tl.num_programs(0)):
+        tile = total - 1 - item // num_kv_heads
+        kv_head = item % num_kv_heads
+        seq = tl.sum((tiles_through <= tile).to(tl.int32), 0)  # the first whose tiles end past `tile`
+        tile_in_seq = tile - tl.sum(tl.where(offs < seq, tiles, 0), 0)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        _attend_query_tile(
+            out_ptr, query_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_tables_ptr + seq.to(tl.int64) * stride_block_table, q_start, q_len, tl.load(seq_lens_ptr + seq),
+            tile_in_seq, kv_head, 0, 1, 0, 0, scale_log2e,
+            stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+            stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+            stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+            stride_scale_block, stride_scale_slot, stride_scale_head,
+            out_ptr, out_ptr, out_ptr, out_ptr, 0,
+            HEADS_PER_KV, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N,
+            IEEE_FP32, FP8, FRESH_KV, 1)
 
 
 # A prefill split takes at least this many key tiles of its sequence's context.
@@ -946,6 +1041,9 @@ PREFILL_FRESH_KV = os.environ.get("MINIVLLM_PREFILL_FRESH_KV", "1") != "0"
 # kernel alone (bf16 cache: 194; PREFILL's shape here 273); 8,192 of 562-token prompts 102 against 156.
 PREFILL_FRESH_SEQS_PLAIN = os.environ.get("MINIVLLM_PREFILL_FRESH_SEQS_PLAIN", "1") != "0"
 PREFILL_FP8_FRESH = PrefillConfig(128, 32, 8, 3, 128)
+# The cached chunks' kernel's programs (_cached_prefill_kernel), per SM. PREFILL_FP8's shape fits
+# one program an SM, so two give each SM a second while the first finishes its last tile.
+CACHED_PREFILL_PROGRAMS_PER_SM = 2
 
 
 class DecodeConfig(NamedTuple):
@@ -1190,38 +1288,51 @@ def paged_attention(
         # A large step's fresh prompts never read the e4m3 cache, yet in the FP8 kernel they run
         # at its shape and register budget (255 registers, one program an SM). They go to the
         # plain kernel (its cache loops have nothing to read), the chunks after a cached context
-        # to the FP8 one, whose programs for fresh prompts exit (~15 us a layer).
+        # to the FP8 one (_cached_prefill_kernel, a few programs that look only at those).
         launches = [(PREFILL_FP8_FRESH, False, FRESH_SEQS), (config, True, CACHED_SEQS)]
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     for tiles, fp8, which in launches:
         block_m = max(tiles.block_m, triton.next_power_of_2(heads_per_kv))
         block_q = max(1, block_m // heads_per_kv)
-        grid = ((num_tokens // block_q + metadata.num_seqs) * num_kv_heads, num_splits)
-        if num_splits > 1:
-            scratch = _split_scratch(num_tokens, num_heads, num_splits, head_dim_padded, grid[0], query.device)
-            splits_args = (scratch.partial_out, scratch.partial_max, scratch.partial_sum, scratch.arrivals, num_heads)
-        else:
-            splits_args = (out,) * 4 + (num_heads,)  # unused
+        # One program per possible tile and KV head (the last ones' exit), or for the cached
+        # chunks' kernel as many as fill the GPU, each looping over tiles.
+        num_programs = (num_tokens // block_q + metadata.num_seqs) * num_kv_heads
+        if which == CACHED_SEQS:
+            num_programs = min(num_programs, CACHED_PREFILL_PROGRAMS_PER_SM * _num_sms(query.device))
         # (A launch without the FP8 cache's loads is compiled as a plain cache's: this step's own
         # key and value stand in for the cache and its scales, never read there.)
         k_cache, v_cache = (views.key, views.value) if fp8 or not layout.fp8 else (key, value)
         k_scale, v_scale = _scales(views) if fp8 else (k_cache, v_cache)
-        _paged_attention_kernel[grid](
-            out, query, key, value, k_cache, v_cache, k_scale, v_scale,
-            metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-            metadata.num_active_seqs if metadata.num_active_seqs is not None else metadata.seq_lens,
-            scale * 1.4426950408889634, metadata.num_seqs, num_kv_heads,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views),
-            metadata.block_tables.stride(0), *splits_args,
-            HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-            IEEE_FP32=query.dtype == torch.float32, FP8=fp8, FRESH_KV=fresh_kv,
-            ACTIVE_SEQS=metadata.num_active_seqs is not None, SPLIT_DECODES=metadata.split_decodes,
-            NUM_SPLITS=num_splits, WHICH_SEQS=which, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}),
-        )
+        args = (out, query, key, value, k_cache, v_cache, k_scale, v_scale,
+                metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                metadata.num_active_seqs if metadata.num_active_seqs is not None else metadata.seq_lens,
+                scale * 1.4426950408889634, metadata.num_seqs, num_kv_heads,
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                key.stride(0), key.stride(1), value.stride(0), value.stride(1), *cache_strides(views),
+                metadata.block_tables.stride(0))
+        shape = dict(HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+                     BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+                     IEEE_FP32=query.dtype == torch.float32, FP8=fp8, FRESH_KV=fresh_kv,
+                     ACTIVE_SEQS=metadata.num_active_seqs is not None, SPLIT_DECODES=metadata.split_decodes,
+                     num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                     **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}))
+        if which == CACHED_SEQS:
+            _cached_prefill_kernel[(num_programs,)](
+                *args, MAX_SEQS=triton.next_power_of_2(metadata.num_seqs), **shape)
+            continue
+        if num_splits > 1:
+            scratch = _split_scratch(num_tokens, num_heads, num_splits, head_dim_padded, num_programs, query.device)
+            splits_args = (scratch.partial_out, scratch.partial_max, scratch.partial_sum, scratch.arrivals, num_heads)
+        else:
+            splits_args = (out,) * 4 + (num_heads,)  # unused
+        _paged_attention_kernel[(num_programs, num_splits)](
+            *args, *splits_args, NUM_SPLITS=num_splits, WHICH_SEQS=which, **shape)
     return out
+
+
+def _num_sms(device: torch.device) -> int:
+    # (The CPU interpreter, for tests: a few programs, so that each loops over several tiles.)
+    return pdl.num_sms(device.index or 0) if device.type == "cuda" else 2
 
 
 class TritonAttentionBackend(AttentionBackend):
