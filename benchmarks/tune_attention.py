@@ -55,10 +55,11 @@ from tests.gpu.test_triton_attention import BLOCK_ORDERS, make_batch
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
 
 
-def _ragged_prompts(budget: int, low: int, high: int) -> list[tuple[int, int]]:
+def _ragged_prompts(budget: int, low: int, high: int, first: tuple[tuple[int, int], ...] = ()) -> list[tuple[int, int]]:
     """Whole prompts of low..high tokens (uniform, seed 0) filling a step of `budget` tokens, the
-    last one cut to fit, as the scheduler packs fresh requests."""
-    prompts, left = [], budget
+    last one cut to fit, as the scheduler packs fresh requests (after `first`, the running ones)."""
+    prompts = list(first)
+    left = budget - sum(n for _, n in prompts)
     for n in np.random.default_rng(0).integers(low, high + 1, budget):
         prompts.append((0, min(int(n), left)))
         left -= prompts[-1][1]
@@ -92,6 +93,9 @@ CASES = {
     "prefill-8192x562": [[(0, 562)] * 14 + [(0, 324)]],
     # ... and one at the LLM class's budget on an H100 (16,384), prompts of 100-1,024 tokens
     "prefill-16384xragged": [_ragged_prompts(16384, 100, 1024)],
+    # ... as its prompt phase runs them: the running requests' decodes, the chunk after the one
+    # the last step cut (an FP8 cache's only cached chunk), then fresh prompts
+    "prefill-16384-after-chunk": [_ragged_prompts(16384, 100, 1024, ((700, 1),) * 58 + ((600, 450),))],
     # ... and of mid-length prompts (under the Hopper kernel's 8,192-token floor: these stay on Triton)
     "prefill-4x4096": [[(0, 4096)] * 4],
     "decode-256x700": [[(700, 1)] * 256],
@@ -231,9 +235,10 @@ def main() -> None:
             ms = bench(lambda: run(in_order))
             print(f"  default, sequences in order: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if baseline is not None:
-            def run_baseline():
-                for q, cache, md, _, _ in steps:
-                    baseline.paged_attention(q, cache, md, HEAD_DIM**-0.5)
+            def run_baseline():  # (a prefill with the chunk's own keys, as run() calls this tree's)
+                for q, cache, md, k, v in steps:
+                    fresh = {} if args.cache_only or decode else dict(key=k, value=v)
+                    baseline.paged_attention(q, cache, md, HEAD_DIM**-0.5, **fresh)
 
             ms = bench(run_baseline)
             print(f"  baseline {args.baseline}: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
