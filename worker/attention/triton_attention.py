@@ -1042,7 +1042,9 @@ PREFILL_FRESH_KV = os.environ.get("MINIVLLM_PREFILL_FRESH_KV", "1") != "0"
 PREFILL_FRESH_SEQS_PLAIN = os.environ.get("MINIVLLM_PREFILL_FRESH_SEQS_PLAIN", "1") != "0"
 PREFILL_FP8_FRESH = PrefillConfig(128, 32, 8, 3, 128)
 # The cached chunks' kernel's programs (_cached_prefill_kernel), per SM. PREFILL_FP8's shape fits
-# one program an SM, so two give each SM a second while the first finishes its last tile.
+# one program an SM, so two give each SM a second while the first finishes its last tile. H100, in
+# CUDA graphs: one 8,192-token chunk after 8,192 cached, 3,198 us against 3,257-3,261 at one; the
+# 256-request workload's prompt step even (benchmarks/results/2026-11-27-fp8-prefill/).
 CACHED_PREFILL_PROGRAMS_PER_SM = 2
 
 
@@ -1294,8 +1296,8 @@ def paged_attention(
     for tiles, fp8, which in launches:
         block_m = max(tiles.block_m, triton.next_power_of_2(heads_per_kv))
         block_q = max(1, block_m // heads_per_kv)
-        # One program per possible tile and KV head (the last ones' exit), or for the cached
-        # chunks' kernel as many as fill the GPU, each looping over tiles.
+        # One program per possible tile and KV head (those past the step's tiles exit), or for
+        # the cached chunks' kernel as many as fill the GPU, each looping over tiles.
         num_programs = (num_tokens // block_q + metadata.num_seqs) * num_kv_heads
         if which == CACHED_SEQS:
             num_programs = min(num_programs, CACHED_PREFILL_PROGRAMS_PER_SM * _num_sms(query.device))
