@@ -114,12 +114,36 @@ def main() -> None:
         for fresh_kv, splits in ((False, 1), (True, 1), (fp8, ta.PREFILL_SPLITS)):
             prefill = ta.PREFILL_SHORT if splits > 1 else ta.PREFILL_FP8 if fp8 else ta.PREFILL
             compiled = compile_sm90(ta._paged_attention_kernel, ints, pointers, dict(
-                HEADS_PER_KV=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
-                BLOCK_Q=prefill.block_m // (HEADS // KV_HEADS), BLOCK_M=prefill.block_m, BLOCK_N=prefill.block_n,
-                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv, ACTIVE_SEQS=True, SPLIT_DECODES=splits == 1,
-                NUM_SPLITS=splits), ("scale_log2e",), prefill.num_warps, prefill.num_stages, prefill.maxnreg)
+                prefill_shape(prefill, fp8, fresh_kv), SPLIT_DECODES=splits == 1, NUM_SPLITS=splits,
+                WHICH_SEQS=ta.ALL_SEQS.value), ("scale_log2e",), prefill.num_warps, prefill.num_stages, prefill.maxnreg)
             report(f"prefill-{'fp8' if fp8 else 'bf16'}{'-fresh' if fresh_kv else ''}{'-split' if splits > 1 else ''}",
                    compiled, args.out)
+        if not fp8:
+            continue
+        # A large FP8 step's two launches (paged_attention): its fresh prompts on the plain kernel
+        # (this step's k and v stand in for the cache), its chunks after a cached context on the FP8
+        # one (_cached_prefill_kernel, where the tree has it).
+        plain = dict(pointers, k_cache_ptr="*bf16", v_cache_ptr="*bf16", k_scale_ptr="*bf16", v_scale_ptr="*bf16")
+        fresh = ta.PREFILL_FP8_FRESH
+        compiled = compile_sm90(ta._paged_attention_kernel, ints, plain, dict(
+            prefill_shape(fresh, False, True), SPLIT_DECODES=True, NUM_SPLITS=1, WHICH_SEQS=ta.FRESH_SEQS.value),
+            ("scale_log2e",), fresh.num_warps, fresh.num_stages, fresh.maxnreg)
+        report("prefill-fp8-step-fresh-seqs", compiled, args.out)
+        cached = ta.PREFILL_FP8
+        if hasattr(ta, "_cached_prefill_kernel"):
+            kernel, which = ta._cached_prefill_kernel, dict(MAX_SEQS=512)
+        else:
+            kernel, which = ta._paged_attention_kernel, dict(NUM_SPLITS=1, WHICH_SEQS=ta.CACHED_SEQS.value)
+        compiled = compile_sm90(kernel, ints, pointers, dict(prefill_shape(cached, True, True), SPLIT_DECODES=True, **which),
+                                ("scale_log2e",), cached.num_warps, cached.num_stages, cached.maxnreg)
+        report("prefill-fp8-step-cached-seqs", compiled, args.out)
+
+
+def prefill_shape(prefill, fp8: bool, fresh_kv: bool) -> dict:
+    """The prefill kernels' tile constants for a PrefillConfig at this shape."""
+    return dict(HEADS_PER_KV=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM, BLOCK_SIZE=BLOCK,
+                BLOCK_Q=prefill.block_m // (HEADS // KV_HEADS), BLOCK_M=prefill.block_m, BLOCK_N=prefill.block_n,
+                IEEE_FP32=False, FP8=fp8, FRESH_KV=fresh_kv, ACTIVE_SEQS=True)
 
 
 if __name__ == "__main__":
