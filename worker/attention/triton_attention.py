@@ -1319,8 +1319,10 @@ def paged_attention(
                      num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                      **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}))
         if which == CACHED_SEQS:
+            # (At least 512: one build serves every eager step's sequence count and the mixed
+            # graphs' max_num_seqs + 1 up to 512, where each power of 2 would be a build of its own.)
             _cached_prefill_kernel[(num_programs,)](
-                *args, MAX_SEQS=triton.next_power_of_2(metadata.num_seqs), **shape)
+                *args, MAX_SEQS=max(512, triton.next_power_of_2(metadata.num_seqs)), **shape)
             continue
         if num_splits > 1:
             scratch = _split_scratch(num_tokens, num_heads, num_splits, head_dim_padded, num_programs, query.device)
