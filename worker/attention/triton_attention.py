@@ -1081,6 +1081,12 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: in
     return splits
 
 
+def _num_sms(device: torch.device) -> int:
+    """The device's multiprocessor count, which grids are sized by (2 on the CPU, where Triton's
+    interpreter runs the kernels for tests: few programs, so that loops over tiles and splits run)."""
+    return pdl.num_sms(device.index or 0) if device.type == "cuda" else 2
+
+
 def decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
     out: torch.Tensor | None = None, config: DecodeConfig | None = None, num_splits: int | None = None,
@@ -1116,7 +1122,7 @@ def decode_attention(
         # graph). Beyond 8 only long contexts gain from more.
         max_splits = config.max_splits if metadata.max_seq_len > DECODE_LONG_CONTEXT else \
             min(config.max_splits, SHORT_CONTEXT_MAX_SPLITS)
-        num_splits = num_kv_splits(num_seqs, num_kv_heads, pdl.num_sms(query.device.index or 0), max_splits)
+        num_splits = num_kv_splits(num_seqs, num_kv_heads, _num_sms(query.device), max_splits)
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_padded, dtype=torch.float32,
@@ -1130,7 +1136,7 @@ def decode_attention(
     # grid also spans the prefill sequences).
     seq_order = None
     if not mixed and num_splits == 1 and config.longest_first and \
-            num_seqs * num_kv_heads > pdl.num_sms(query.device.index or 0):
+            num_seqs * num_kv_heads > _num_sms(query.device):
         seq_order = metadata.longest_first()
     if fp8_decode.supports(query, layout, num_seqs):  # the CUDA kernel (fp8_decode.py)
         if rope is not None:  # the kernel takes q rotated and this step's K/V stored: ops.norm_rope first
@@ -1332,11 +1338,6 @@ def paged_attention(
         _paged_attention_kernel[(num_programs, num_splits)](
             *args, *splits_args, NUM_SPLITS=num_splits, WHICH_SEQS=which, **shape)
     return out
-
-
-def _num_sms(device: torch.device) -> int:
-    # (The CPU interpreter, for tests: a few programs, so that each loops over several tiles.)
-    return pdl.num_sms(device.index or 0) if device.type == "cuda" else 2
 
 
 class TritonAttentionBackend(AttentionBackend):
