@@ -46,8 +46,6 @@ from minivllm.worker.attention.triton_attention import (
     DECODE_FP8,
     DecodeConfig,
     PrefillConfig,
-    decode_attention,
-    paged_attention,
     store_kv,
 )
 from tests.gpu.test_triton_attention import BLOCK_ORDERS, make_batch
@@ -194,13 +192,15 @@ def main() -> None:
             pairs = sum(causal_pairs(c, n) for cases in CASES[name] for c, n in cases)
             work, unit = 4 * pairs * HEAD_DIM * HEADS / 1e12, "TFLOP/s"
 
-        def run(tiles):
+        def run(tiles, attention=triton_attention):  # (attention: this tree's module, or --baseline's)
             for q, cache, md, k, v in steps:
                 if decode:
-                    decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, num_splits=args.decode_splits)
+                    attention.decode_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles,
+                                               num_splits=args.decode_splits)
                 else:  # as the model calls it: the chunk's own keys from k and v, unless --cache-only
                     fresh = {} if args.cache_only else dict(key=k, value=v)
-                    paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, num_splits=args.splits, **fresh)
+                    attention.paged_attention(q, cache, md, HEAD_DIM**-0.5, config=tiles, num_splits=args.splits,
+                                              **fresh)
 
         results = []
         sweep = DECODE_CONFIGS if decode else PREFILL_CONFIGS
@@ -235,12 +235,7 @@ def main() -> None:
             ms = bench(lambda: run(in_order))
             print(f"  default, sequences in order: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if baseline is not None:
-            def run_baseline():  # (a prefill with the chunk's own keys, as run() calls this tree's)
-                for q, cache, md, k, v in steps:
-                    fresh = {} if args.cache_only or decode else dict(key=k, value=v)
-                    baseline.paged_attention(q, cache, md, HEAD_DIM**-0.5, **fresh)
-
-            ms = bench(run_baseline)
+            ms = bench(lambda: run(None, baseline))
             print(f"  baseline {args.baseline}: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if not decode and len(CASES[name][0]) == 1:  # one prompt: SDPA runs it whole
             total = sum(CASES[name][-1][0])
