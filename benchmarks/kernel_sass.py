@@ -32,6 +32,10 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 
 def compile_sm90(kernel, ints: dict, pointers: dict, constants: dict, floats: tuple, num_warps: int,
                  num_stages: int, maxnreg: int | None):
+    # (constexprs left out take their defaults, as a launch that does not pass them)
+    defaults = {p.name: getattr(p.default, "value", p.default)
+                for p in kernel.params if p.is_constexpr and p.has_default}
+    constants = {**{name: value for name, value in defaults.items() if name not in constants}, **constants}
     signature, constexprs, attrs = {}, dict(constants), {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -126,7 +130,8 @@ def main() -> None:
         plain = dict(pointers, k_cache_ptr="*bf16", v_cache_ptr="*bf16", k_scale_ptr="*bf16", v_scale_ptr="*bf16")
         fresh = ta.PREFILL_FP8_FRESH
         compiled = compile_sm90(ta._paged_attention_kernel, ints, plain, dict(
-            prefill_shape(fresh, False, True), SPLIT_DECODES=True, NUM_SPLITS=1, WHICH_SEQS=ta.FRESH_SEQS.value),
+            prefill_shape(fresh, False, True), SPLIT_DECODES=True, NUM_SPLITS=1, WHICH_SEQS=ta.FRESH_SEQS.value,
+            **joined(ta._paged_attention_kernel, "JOINS_PREVIOUS")),
             ("scale_log2e",), fresh.num_warps, fresh.num_stages, fresh.maxnreg)
         report("prefill-fp8-step-fresh-seqs", compiled, args.out)
         cached = ta.PREFILL_FP8
@@ -134,9 +139,15 @@ def main() -> None:
             kernel, which = ta._cached_prefill_kernel, dict(MAX_SEQS=512)
         else:
             kernel, which = ta._paged_attention_kernel, dict(NUM_SPLITS=1, WHICH_SEQS=ta.CACHED_SEQS.value)
-        compiled = compile_sm90(kernel, ints, pointers, dict(prefill_shape(cached, True, True), SPLIT_DECODES=True, **which),
-                                ("scale_log2e",), cached.num_warps, cached.num_stages, cached.maxnreg)
+        constants = dict(prefill_shape(cached, True, True), SPLIT_DECODES=True, **which, **joined(kernel, "PDL"))
+        compiled = compile_sm90(kernel, ints, pointers, constants, ("scale_log2e",), cached.num_warps,
+                                cached.num_stages, cached.maxnreg)
         report("prefill-fp8-step-cached-seqs", compiled, args.out)
+
+
+def joined(kernel, flag: str) -> dict:
+    """The two launches run side by side under PDL where the tree has the flag (paged_attention's `joins`)."""
+    return {flag: True} if flag in kernel.arg_names else {}
 
 
 def prefill_shape(prefill, fp8: bool, fresh_kv: bool) -> dict:
