@@ -249,6 +249,50 @@ def test_fp8_cached_chunks_kernel(monkeypatch, num_sms, padded, heads_per_kv) ->
         assert error < 1e-2, f"sequence {i} ({chunk} tokens after {context}): relative error {error:.2e}"
 
 
+# One long chunk after a long cached context (its launch runs for ~1 ms) among short fresh prompts
+# and decodes (theirs take microseconds).
+SLOW_CACHED_CHUNK = [(0, 120), (300, 1), (8192, 1024), (0, 200), (50, 1), (0, 64)]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_fp8_step_launches_finish_before_the_next_kernel(graph) -> None:
+    """A large FP8 step's fresh prompts' launch runs beside its cached chunks' launch (PDL,
+    JOINS_PREVIOUS) and may finish long before it; the kernel after the step's attention must still
+    see every row. Here a copy of the output runs right after, in a CUDA graph or eagerly, over
+    rows set to NaN before each replay: rows the cached chunk's launch had not yet written would
+    come out NaN."""
+    from minivllm.worker import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("no PDL on this GPU: the launches run one after the other")
+    q, k, v, cache, metadata = fp8_step(SLOW_CACHED_CHUNK, 2, 2, 128, 16, seed=3)
+    assert prefill_config(q.shape[0], torch.bfloat16, 128, True) is PREFILL_FP8
+    expected = reference_with_own_chunks(q, k, v, cache, metadata)
+    out, seen = torch.empty_like(q), torch.empty_like(q)
+
+    def step() -> None:
+        paged_attention(q, cache, metadata, 128**-0.5, out=out, key=k, value=v)
+        seen.copy_(out)
+
+    step()  # (builds the kernels outside the capture)
+    replay = step
+    if graph:
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            step()
+        replay = cuda_graph.replay
+    for _ in range(5):
+        out.fill_(float("nan"))
+        seen.fill_(float("nan"))
+        replay()
+        torch.cuda.synchronize()
+        unwritten = seen.isnan().any(-1).any(-1).nonzero().flatten().tolist()
+        assert not unwritten, f"rows not yet written when the next kernel ran: {unwritten[:8]}..."
+        error = (seen.float() - expected).norm() / expected.norm()
+        assert error < 1e-2, f"relative error {error:.2e}"
+
+
 @pytest.mark.parametrize("block_size", [32, 7])
 @pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decode"])
 def test_other_block_sizes(cases, block_size) -> None:

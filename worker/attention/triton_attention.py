@@ -477,11 +477,14 @@ def _attend_query_tile(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    CONTEXT: tl.constexpr = True,
 ):
     """Query tile tile_in_seq of a sequence (its chunk's rows [q_start, q_start + q_len), seq_len
     keys in all, block_table its row) for kv_head's heads, written to out: the prefill kernels'
     work once a program knows its tile. With NUM_SPLITS > 1, split `split` of num_used over
-    context_tiles whole key tiles of its context; arrival is its count's place in arrivals_ptr."""
+    context_tiles whole key tiles of its context; arrival is its count's place in arrivals_ptr.
+    CONTEXT False (with FRESH_KV): the sequence has no cached context, so the cache loops are not
+    compiled (their pipelines' shared memory and registers are the tile shape's)."""
     context_len = seq_len - q_len  # tokens cached before this step's chunk
 
     # Row m of the tile is query token (tile_in_seq * BLOCK_Q + m // HEADS_PER_KV) of the chunk,
@@ -525,20 +528,21 @@ def _attend_query_tile(
         key_lo = split * context_tiles // num_used * BLOCK_N
         key_hi = tl.where(is_last, cache_unmasked_end, (split + 1) * context_tiles // num_used * BLOCK_N)
         cache_end = tl.where(is_last, cache_end, key_hi)  # (no masked tiles but the last split's)
-    for key_start in range(key_lo, key_hi, BLOCK_N):
-        acc, l_i, m_i = _attend_key_tile(
-            q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-            stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
-            stride_scale_block, stride_scale_slot, stride_scale_head,
-            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
-    for key_start in range(key_hi, cache_end, BLOCK_N):
-        acc, l_i, m_i = _attend_key_tile(
-            q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-            stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
-            stride_scale_block, stride_scale_slot, stride_scale_head,
-            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, True, IEEE_FP32, FP8)
+    if CONTEXT:
+        for key_start in range(key_lo, key_hi, BLOCK_N):
+            acc, l_i, m_i = _attend_key_tile(
+                q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                stride_scale_block, stride_scale_slot, stride_scale_head,
+                HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
+        for key_start in range(key_hi, cache_end, BLOCK_N):
+            acc, l_i, m_i = _attend_key_tile(
+                q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                stride_scale_block, stride_scale_slot, stride_scale_head,
+                HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, True, IEEE_FP32, FP8)
     if FRESH_KV:
         # The chunk's keys j (its token j) up to the tile's last query: those before the tile's
         # first query are seen by every row (no masks), the rest form the causal diagonal.
@@ -605,6 +609,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
     SPLIT_DECODES: tl.constexpr, NUM_SPLITS: tl.constexpr, WHICH_SEQS: tl.constexpr = ALL_SEQS,
+    JOINS_PREVIOUS: tl.constexpr = False,
 ):
     """SPLIT_DECODES: one-token sequences are the decode kernel's (else this kernel takes them too).
     NUM_SPLITS > 1 (program_id(1) is the split): a sequence's cached context, the whole key tiles
@@ -620,12 +625,18 @@ def _paged_attention_kernel(
     Otherwise every key comes from the cache. ACTIVE_SEQS: only sequences [0, *num_active_seqs_ptr)
     have tokens (a CUDA graph's padding); the tiles of the empty ones after them are not searched.
     WHICH_SEQS: ALL_SEQS, or only the sequences without a context cached before their chunk
-    (FRESH_SEQS); the others' programs exit. (Those with one: _cached_prefill_kernel.)"""
+    (FRESH_SEQS); the others' programs exit. (Those with one: _cached_prefill_kernel.)
+    JOINS_PREVIOUS: launched with PDL beside the kernel before it (the cached chunks' launch, which
+    lets it start at once), whose output it does not read. Its last program waits for that kernel
+    first, so this grid ends after it: the kernels after this one wait for this grid only."""
+    pid = tl.program_id(0)
+    if JOINS_PREVIOUS:
+        if pid == tl.num_programs(0) - 1:
+            gdc_wait()
     # Programs run roughly in launch order, and a causal tile's work grows with its position, so
     # the last tiles go first (every KV head's) and the short ones fill the tail. Sequence s owns
     # tiles up to query_start_loc[s + 1] // BLOCK_Q + s, so the active ones own fewer than
     # num_tiles; the programs past those (the empty sequences', last in launch order) just exit.
-    pid = tl.program_id(0)
     kv_head = pid % num_kv_heads
     if ACTIVE_SEQS:
         num_seqs = tl.load(num_active_seqs_ptr)
@@ -666,7 +677,7 @@ def _paged_attention_kernel(
         stride_scale_block, stride_scale_slot, stride_scale_head,
         partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
         HEADS_PER_KV, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N,
-        IEEE_FP32, FP8, FRESH_KV, NUM_SPLITS)
+        IEEE_FP32, FP8, FRESH_KV, NUM_SPLITS, not (FRESH_KV and WHICH_SEQS == FRESH_SEQS))
 
 
 @triton.jit
@@ -682,7 +693,7 @@ def _cached_prefill_kernel(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE_FP32: tl.constexpr, FP8: tl.constexpr, FRESH_KV: tl.constexpr, ACTIVE_SEQS: tl.constexpr,
-    SPLIT_DECODES: tl.constexpr, MAX_SEQS: tl.constexpr,
+    SPLIT_DECODES: tl.constexpr, MAX_SEQS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The query tiles of the chunks after a cached context only (sequences with tokens this step
     and keys before them; not the decode kernel's one-token ones under SPLIT_DECODES), on as few
@@ -695,7 +706,12 @@ def _cached_prefill_kernel(
     early sequence's, last in launch order) ran after those. Here each program reads the step's
     query_start_loc and seq_lens whole (MAX_SEQS >= num_seqs, a power of 2) and numbers the cached
     chunks' tiles [0, total); items (tile, head) go last tile first (the most causal keys), a
-    tile's heads together."""
+    tile's heads together.
+    PDL: the next kernel (the fresh prompts' launch, JOINS_PREVIOUS) may start at once, on the SMs
+    these programs leave: a step's few cached tiles (a cut prompt's next chunk, ~50 us a layer
+    on 64 programs in the 256-request workload) would otherwise run with most SMs idle."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     if ACTIVE_SEQS:
         num_seqs = tl.load(num_active_seqs_ptr)
@@ -1039,8 +1055,15 @@ PREFILL_FRESH_KV = os.environ.get("MINIVLLM_PREFILL_FRESH_KV", "1") != "0"
 # ($MINIVLLM_PREFILL_FRESH_SEQS_PLAIN=0: every sequence on the FP8 kernel, for measuring). H100, in
 # CUDA graphs, 16,384 tokens of 100-1,024-token prompts: 218 us a layer against 324 on the FP8
 # kernel alone (bf16 cache: 194; PREFILL's shape here 273); 8,192 of 562-token prompts 102 against 156.
+# Compiled without the cache loops (its sequences have no context), 64-row tiles on 4 warps won:
+# 189 us against 198 for (128, 32, 8, 3, 128), and 252 against 260 with a cut prompt's next chunk
+# beside it (benchmarks/results/2026-11-27-scale-bound/).
 PREFILL_FRESH_SEQS_PLAIN = os.environ.get("MINIVLLM_PREFILL_FRESH_SEQS_PLAIN", "1") != "0"
-PREFILL_FP8_FRESH = PrefillConfig(128, 32, 8, 3, 128)
+PREFILL_FP8_FRESH = PrefillConfig(64, 32, 4, 3, None)
+# ... and runs beside the cached chunks' launch, which goes first ($MINIVLLM_PREFILL_JOINS=0: one
+# after the other, for measuring; without PDL they always do). In the 256-request workload's prompt
+# step, with a cut prompt's next chunk, 261 us a layer against 295 (H100, CUDA graphs).
+PREFILL_JOINS = os.environ.get("MINIVLLM_PREFILL_JOINS", "1") != "0"
 # The cached chunks' kernel's programs (_cached_prefill_kernel), per SM. PREFILL_FP8's shape fits
 # one program an SM, so two give each SM a second while the first finishes its last tile. H100, in
 # CUDA graphs: one 8,192-token chunk after 8,192 cached, 3,198 us against 3,257-3,261 at one; the
@@ -1295,9 +1318,11 @@ def paged_attention(
     if default_shape and fresh_kv and config is PREFILL_FP8 and num_splits == 1 and PREFILL_FRESH_SEQS_PLAIN:
         # A large step's fresh prompts never read the e4m3 cache, yet in the FP8 kernel they run
         # at its shape and register budget (255 registers, one program an SM). They go to the
-        # plain kernel (its cache loops have nothing to read), the chunks after a cached context
-        # to the FP8 one (_cached_prefill_kernel, a few programs that look only at those).
-        launches = [(PREFILL_FP8_FRESH, False, FRESH_SEQS), (config, True, CACHED_SEQS)]
+        # plain kernel (without its cache loops), the chunks after a cached context to the FP8 one
+        # (_cached_prefill_kernel, a few programs that look only at those). That one goes first,
+        # and with PDL the fresh prompts' launch runs beside it (JOINS_PREVIOUS).
+        launches = [(config, True, CACHED_SEQS), (PREFILL_FP8_FRESH, False, FRESH_SEQS)]
+    joins = len(launches) > 1 and PREFILL_JOINS and pdl.enabled(query.device)
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     for tiles, fp8, which in launches:
         block_m = max(tiles.block_m, triton.next_power_of_2(heads_per_kv))
@@ -1328,7 +1353,7 @@ def paged_attention(
             # (At least 512: one build serves every eager step's sequence count and the mixed
             # graphs' max_num_seqs + 1 up to 512, where each power of 2 would be a build of its own.)
             _cached_prefill_kernel[(num_programs,)](
-                *args, MAX_SEQS=max(512, triton.next_power_of_2(metadata.num_seqs)), **shape)
+                *args, MAX_SEQS=max(512, triton.next_power_of_2(metadata.num_seqs)), PDL=joins, **shape)
             continue
         if num_splits > 1:
             scratch = _split_scratch(num_tokens, num_heads, num_splits, head_dim_padded, num_programs, query.device)
@@ -1336,7 +1361,8 @@ def paged_attention(
         else:
             splits_args = (out,) * 4 + (num_heads,)  # unused
         _paged_attention_kernel[(num_programs, num_splits)](
-            *args, *splits_args, NUM_SPLITS=num_splits, WHICH_SEQS=which, **shape)
+            *args, *splits_args, NUM_SPLITS=num_splits, WHICH_SEQS=which, **shape,
+            **(dict(JOINS_PREVIOUS=True, launch_pdl=True) if joins and which == FRESH_SEQS else {}))
     return out
 
 
