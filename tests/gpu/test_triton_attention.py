@@ -260,7 +260,10 @@ def test_fp8_step_launches_finish_before_the_next_kernel(graph) -> None:
     JOINS_PREVIOUS) and may finish long before it; the kernel after the step's attention must still
     see every row. Here a copy of the output runs right after, in a CUDA graph or eagerly, over
     rows set to NaN before each replay: rows the cached chunk's launch had not yet written would
-    come out NaN."""
+    come out NaN. (On an H100 this also passed with the fresh launch's last-program wait removed:
+    there the stream and the graph kept finishing kernels in launch order. The wait is what PTX
+    promises, griddepcontrol.wait returning once the kernel before has completed; the test holds
+    the whole step to it, in whatever way a GPU orders them.)"""
     from minivllm.worker import pdl
 
     if not pdl.enabled(torch.device("cuda")):
