@@ -103,6 +103,10 @@ CASES = {
     # at its 450th and 750th decode step, each its prompt (100-1,024 tokens) plus that many
     "decode-170xnano450": [[(int(n) + 450, 1) for n in np.random.default_rng(1).integers(100, 1025, 170)]],
     "decode-80xnano750": [[(int(n) + 750, 1) for n in np.random.default_rng(2).integers(100, 1025, 80)]],
+    # ... and on the way there and after it (about 120, 50 and 24 running at its 620th, 850th and 950th step)
+    "decode-120xnano620": [[(int(n) + 620, 1) for n in np.random.default_rng(3).integers(100, 1025, 120)]],
+    "decode-50xnano850": [[(int(n) + 850, 1) for n in np.random.default_rng(4).integers(100, 1025, 50)]],
+    "decode-24xnano950": [[(int(n) + 950, 1) for n in np.random.default_rng(5).integers(100, 1025, 24)]],
     "decode-32x4096": [[(4096, 1)] * 32],
     "decode-4x16384": [[(16384, 1)] * 4],
 }

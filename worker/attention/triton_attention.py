@@ -1074,7 +1074,11 @@ CACHED_PREFILL_PROGRAMS_PER_SM = 2
 class DecodeConfig(NamedTuple):
     block_n: int = 64  # keys per tile
     num_warps: int = 4
-    num_stages: int = 3
+    # 2, not 3: even at 256 sequences, and 9-17% faster where a shrinking batch's 34-100 sequences
+    # (too many to split their keys) hold long contexts: 151 against 166 us a layer at 80 sequences
+    # of 850-1,774 keys, 111 against 134 at 50 of 950-1,874 (H100, in CUDA graphs,
+    # benchmarks/results/2026-11-27-scale-bound/decode_batches.txt).
+    num_stages: int = 2
     maxnreg: int | None = None  # a register cap per thread (None: the compiler's choice)
     # Most splits per sequence (1: no split-KV); $MINIVLLM_DECODE_MAX_SPLITS overrides, for measuring.
     max_splits: int = int(os.environ.get("MINIVLLM_DECODE_MAX_SPLITS", 16))
