@@ -103,9 +103,10 @@ def main() -> None:
                     else "*fp32" if name in ("cos_ptr", "sin_ptr")
                     else "*bf16" for name in ta._paged_decode_kernel.arg_names + ta._paged_attention_kernel.arg_names
                     if name.endswith("_ptr")}
-        decode = ta.DECODE_FP8 if fp8 else ta.DECODE
-        # a large batch's kernel (one split, longest first), and batch 1's (RoPE inside, 8 splits)
+        # a large batch's kernel (one split, longest first), and batch 1's (RoPE inside, 8 splits;
+        # a plain cache's few-sequence shape where the tree has one)
         for name, splits, rope in (("", 1, False), ("-batch1", 8, True)):
+            decode = ta.DECODE_FP8 if fp8 else getattr(ta, "DECODE_FEW", ta.DECODE) if rope else ta.DECODE
             compiled = compile_sm90(ta._paged_decode_kernel, ints, pointers, dict(
                 HEADS_PER_KV=HEADS // KV_HEADS, GROUP_PADDED=16, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM,
                 BLOCK_SIZE=BLOCK, BLOCK_N=decode.block_n, NUM_SPLITS=splits, IEEE_FP32=False, FP8=fp8, MIXED=False,

@@ -42,8 +42,6 @@ from minivllm.worker.attention import hopper_prefill, triton_attention
 from minivllm.worker.attention.kv_cache import KVCacheLayout
 from minivllm.worker.attention.metadata import FEW_SEQS, step_splits_decodes
 from minivllm.worker.attention.triton_attention import (
-    DECODE,
-    DECODE_FP8,
     DecodeConfig,
     PrefillConfig,
     store_kv,
@@ -235,7 +233,7 @@ def main() -> None:
             hopper_prefill.ENABLED = True
             print(f"  (that was the Hopper kernel) Triton's default: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if decode:  # the default shape without running the longest sequences first
-            in_order = (DECODE_FP8 if args.fp8 else DECODE)._replace(longest_first=False)
+            in_order = triton_attention.decode_config(len(CASES[name][0]), args.fp8)._replace(longest_first=False)
             ms = bench(lambda: run(in_order))
             print(f"  default, sequences in order: {ms * 1000:.0f} us = {work / ms * 1000:.2f} {unit}")
         if baseline is not None:

@@ -1074,11 +1074,7 @@ CACHED_PREFILL_PROGRAMS_PER_SM = 2
 class DecodeConfig(NamedTuple):
     block_n: int = 64  # keys per tile
     num_warps: int = 4
-    # 2, not 3: even at 256 sequences, and 9-17% faster where a shrinking batch's 34-100 sequences
-    # (too many to split their keys) hold long contexts: 151 against 166 us a layer at 80 sequences
-    # of 850-1,774 keys, 111 against 134 at 50 of 950-1,874 (H100, in CUDA graphs,
-    # benchmarks/results/2026-11-27-scale-bound/decode_batches.txt).
-    num_stages: int = 2
+    num_stages: int = 3
     maxnreg: int | None = None  # a register cap per thread (None: the compiler's choice)
     # Most splits per sequence (1: no split-KV); $MINIVLLM_DECODE_MAX_SPLITS overrides, for measuring.
     max_splits: int = int(os.environ.get("MINIVLLM_DECODE_MAX_SPLITS", 16))
@@ -1089,6 +1085,19 @@ class DecodeConfig(NamedTuple):
 
 # Tuned on an H100 (benchmarks/tune_attention.py): the best shapes for a plain and an FP8 cache.
 DECODE = DecodeConfig()
+# ... and for a plain cache's steps of fewer than DECODE_FEW_SEQS sequences: 2 stages, 9-17% faster
+# where a shrinking batch's 34-100 sequences (too many to split their keys) hold long contexts
+# (151 against 166 us a layer at 80 sequences of 850-1,774 keys, 111 against 134 at 50 of
+# 950-1,874; H100, in CUDA graphs), and at batch 1 (0.817 ms a token against 0.874). At 256
+# sequences the kernel alone is as fast at 2 stages, but the 256-request workload ran 0.6% slower
+# with it (three alternating pairs, two H100s): benchmarks/results/2026-11-27-scale-bound/.
+DECODE_FEW = DecodeConfig(num_stages=2)
+DECODE_FEW_SEQS = 128
+
+
+def decode_config(num_seqs: int, fp8: bool) -> DecodeConfig:
+    """The decode kernel's default shape for a step of num_seqs sequences (a CUDA graph's: padded)."""
+    return DECODE_FP8 if fp8 else DECODE_FEW if num_seqs < DECODE_FEW_SEQS else DECODE
 # Most splits for contexts of up to DECODE_LONG_CONTEXT keys (benchmarks/decode_splits.py).
 SHORT_CONTEXT_MAX_SPLITS = 8
 # FP8: since values are read as whole runs (_fp8_value_tile), 64-key tiles on 2 warps: the 256-request
@@ -1138,7 +1147,7 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(query)
     if config is None:
-        config = DECODE_FP8 if layout.fp8 else DECODE
+        config = decode_config(num_seqs, layout.fp8)
     if mixed:
         if rope is not None:
             raise ValueError("rope: decode-only steps (a mixed step rotates in ops.norm_rope)")
