@@ -1062,7 +1062,8 @@ PREFILL_FRESH_SEQS_PLAIN = os.environ.get("MINIVLLM_PREFILL_FRESH_SEQS_PLAIN", "
 PREFILL_FP8_FRESH = PrefillConfig(64, 32, 4, 3, None)
 # ... and runs beside the cached chunks' launch, which goes first ($MINIVLLM_PREFILL_JOINS=0: one
 # after the other, for measuring; without PDL they always do). In the 256-request workload's prompt
-# step, with a cut prompt's next chunk, 261 us a layer against 295 (H100, CUDA graphs).
+# step, with a cut prompt's next chunk, 261 us a layer against 295 (H100, CUDA graphs, the fresh
+# launch at (128, 32, 8, 3, 128) both ways; 250 at its shape now, against 304 at the session's start).
 PREFILL_JOINS = os.environ.get("MINIVLLM_PREFILL_JOINS", "1") != "0"
 # The cached chunks' kernel's programs (_cached_prefill_kernel), per SM. PREFILL_FP8's shape fits
 # one program an SM, so two give each SM a second while the first finishes its last tile. H100, in
@@ -1098,6 +1099,8 @@ DECODE_FEW_SEQS = 128
 def decode_config(num_seqs: int, fp8: bool) -> DecodeConfig:
     """The decode kernel's default shape for a step of num_seqs sequences (a CUDA graph's: padded)."""
     return DECODE_FP8 if fp8 else DECODE_FEW if num_seqs < DECODE_FEW_SEQS else DECODE
+
+
 # Most splits for contexts of up to DECODE_LONG_CONTEXT keys (benchmarks/decode_splits.py).
 SHORT_CONTEXT_MAX_SPLITS = 8
 # FP8: since values are read as whole runs (_fp8_value_tile), 64-key tiles on 2 warps: the 256-request
