@@ -63,7 +63,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minivllm.worker import pdl
 from minivllm.worker.attention import fp8_decode, hopper_prefill
-from minivllm.worker.attention.kv_cache import FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
+from minivllm.worker.attention.kv_cache import FINITE_MAX, FP8_MAX, MIN_SCALE, KVCacheLayout, KVCacheViews, plain_layout
 from minivllm.worker.attention.metadata import (
     DECODE_LONG_CONTEXT,
     FEW_SEQS_SPLIT_MAX_TOKENS,
@@ -139,13 +139,17 @@ def write_kv_heads(
         tl.store(v_cache_ptr + v_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
 
 
+# kv_cache.FINITE_MAX, as a constant the kernels can read.
+CLAMP_MAX: tl.constexpr = tl.constexpr(FINITE_MAX)
+
+
 @triton.jit
 def quantize_rows(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """x [rows, dims] -> (x / scale in float32, ready to cast to e4m3; scale [rows] = amax / FP8_MAX
     rounded up to a bfloat16 value, as kv_cache.quantize), NaN taken as 0 and anything past
     +-FINITE_MAX (infinities too) clamped to it first."""
     x = x.to(tl.float32)
-    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -3.0e38), 3.0e38)  # (kv_cache.FINITE_MAX)
+    x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -CLAMP_MAX), CLAMP_MAX)
     # (IEEE division, as torch's and the CUDA epilogue's: the rounding up below must start from the same value)
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), MIN_SCALE)
     scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
