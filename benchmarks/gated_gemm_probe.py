@@ -2,6 +2,7 @@
 cuBLAS then ops.silu_and_mul (what the engine runs for steps over 256 rows).
 
     python3 benchmarks/gated_gemm_probe.py [--rows 16384 8192 2048]    # on the device machine (Hopper)
+    python3 benchmarks/gated_gemm_probe.py --engine --rows 512 1024 2693 16384   # worker/prompt_gemm.py's kernel
 
 A prompt step of 16,384 tokens spends ~105 us a layer in SiLU-and-mul (bf16, H100): it reads gate|up's
 [tokens, 6,144] output back and writes half of it. A GEMM that returns silu(gate) * up from its sums
@@ -27,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for benchmarks.graph_timing
 
 from benchmarks.graph_timing import graph_time_us
-from minivllm.worker import ops
+from minivllm.worker import ops, prompt_gemm
 
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 
@@ -99,11 +100,24 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[16384, 8192, 2048])
+    parser.add_argument("--engine", action="store_true",
+                        help="time only the engine's kernel (prompt_gemm.silu_mul_linear) against cuBLAS + silu_and_mul")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     weights = {name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for name, (n, k) in SHAPES.items()}
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: us a call")
+    if args.engine:
+        w = weights["gate_up"]
+        for rows in args.rows:
+            x = torch.randn(rows, w.shape[1], device=dev, dtype=torch.bfloat16)
+            proj = torch.empty(rows, w.shape[0], device=dev, dtype=torch.bfloat16)
+            t_two = graph_time_us(lambda: [ops.silu_and_mul(torch.mm(x, w.T, out=proj)) for _ in range(8)]) / 8
+            t_one = graph_time_us(lambda: [prompt_gemm.silu_mul_linear(x, w) for _ in range(8)]) / 8
+            same = bits_equal(prompt_gemm.silu_mul_linear(x, w), ops.silu_and_mul(F.linear(x, w)))
+            print(f"rows {rows:5d}: cuBLAS + silu_and_mul {t_two:7.1f}, prompt_gemm {t_one:7.1f} ({t_one / t_two:.3f}x) "
+                  f"bits {same:.4f}")
+        return
     for rows in args.rows:
         n, k = SHAPES["gate_up"]
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)

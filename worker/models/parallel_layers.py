@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.worker import cpu_gemm, hopper_gemm, ops, small_batch_gemm
+from minivllm.worker import cpu_gemm, hopper_gemm, ops, prompt_gemm, small_batch_gemm
 from minivllm.worker.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_world_size
 
 # A torch tensor or a safetensors PySafeSlice: both index like a tensor; the slice reads only what
@@ -98,14 +98,18 @@ class ColumnParallelLinear(nn.Module):
 
     def fuses_silu_mul(self, x: torch.Tensor) -> bool:
         """Whether silu_mul(x) takes silu(gate) * up of this fused gate|up layer from one kernel:
-        the Hopper kernel's epilogue, where it serves this product (worker/hopper_gemm.py)."""
-        return (hopper_gemm.SILU_MUL and self.packed_weight is None
-                and hopper_gemm.supports(x, self.weight, self.bias))
+        the Hopper GEMM's epilogue for a decode step's rows (worker/hopper_gemm.py), the Triton
+        kernel of worker/prompt_gemm.py for a prompt step's, where they serve this product."""
+        return self.packed_weight is None and (
+            (hopper_gemm.SILU_MUL and hopper_gemm.supports(x, self.weight, self.bias))
+            or prompt_gemm.supports_silu_mul(x, self.weight, self.bias))
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused gate|up layer, from one kernel: only where fuses_silu_mul(x)
         holds (elsewhere the caller projects, then runs SiLU-and-mul)."""
-        return hopper_gemm.linear(x, self.weight, silu_mul=True)
+        if hopper_gemm.SILU_MUL and hopper_gemm.supports(x, self.weight, self.bias):
+            return hopper_gemm.linear(x, self.weight, silu_mul=True)
+        return prompt_gemm.silu_mul_linear(x, self.weight)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,87 @@
+"""gate|up with SiLU-and-mul in one Triton kernel for prompt steps (worker/prompt_gemm.py): against
+what it replaces (F.linear then ops.silu_and_mul) and an fp64 reference, at ragged sizes, and as
+the MLP takes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="needs a Hopper GPU (compute capability 9.0)")
+
+
+def _inputs(rows: int, intermediate: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(2 * intermediate, hidden, device="cuda", generator=gen) / hidden**0.5).to(torch.bfloat16)
+    return x, weight
+
+
+@pytest.mark.parametrize("rows,intermediate,hidden", [
+    (16384, 3072, 1024),  # Qwen3-0.6B's MLP in a full prompt step
+    (2693, 3072, 1024),  # the 256-request workload's last prompt step
+    (512, 3072, 1024),  # MIN_ROWS
+    (1000, 1536, 1024),  # its TP=2 shard
+    (777, 200, 320),  # neither the features nor K a multiple of the tile: TMA's edges
+    (4100, 8960, 1536),  # Qwen2-1.5B's
+])
+def test_matches_the_projection_then_silu_and_mul(rows: int, intermediate: int, hidden: int) -> None:
+    from minivllm.worker import ops, prompt_gemm
+
+    x, weight = _inputs(rows, intermediate, hidden, rows + intermediate)
+    assert prompt_gemm.supports_silu_mul(x, weight)
+    out = prompt_gemm.silu_mul_linear(x, weight)
+    assert out.shape == (rows, intermediate)
+    expected = ops.silu_and_mul(F.linear(x, weight))
+    # Rounded the same way; the sums may run in another order than cuBLAS's, so allow a bfloat16
+    # step on a few elements, and check against fp64 too.
+    differs = (out != expected)
+    assert differs.float().mean().item() < 0.01, differs.float().mean().item()
+    assert ((out.float() - expected.float()).abs() <= 2e-2 * expected.float().abs() + 1e-3).all()
+    full = x.double() @ weight.double().T
+    reference = F.silu(full[:, :intermediate]) * full[:, intermediate:]
+    assert ((out.double() - reference).norm() / reference.norm()).item() < 5e-3
+
+
+def test_declines_what_it_does_not_serve() -> None:
+    from minivllm.worker import prompt_gemm
+
+    x, weight = _inputs(prompt_gemm.MIN_ROWS, 256, 128, 0)
+    assert prompt_gemm.supports_silu_mul(x, weight)
+    assert not prompt_gemm.supports_silu_mul(x[: prompt_gemm.MIN_ROWS - 1], weight)  # a decode step's rows
+    assert not prompt_gemm.supports_silu_mul(x, weight, bias=torch.zeros(512, device="cuda", dtype=torch.bfloat16))
+    assert not prompt_gemm.supports_silu_mul(x.float(), weight.float())
+    assert not prompt_gemm.supports_silu_mul(x[:, 1:], weight[:, 1:])  # rows not 16-byte aligned
+    assert not prompt_gemm.supports_silu_mul(x, weight[:-8])  # an intermediate size (252) not a multiple of 8
+
+
+def test_the_mlp_takes_it_for_prompt_rows_and_in_a_cuda_graph() -> None:
+    """ColumnParallelLinear.fuses_silu_mul routes a prompt step's rows to the kernel; captured in a
+    CUDA graph (as the engine's mixed steps are) and replayed on new inputs, it gives what it gives
+    eagerly."""
+    from minivllm.worker import prompt_gemm
+    from minivllm.worker.models.parallel_layers import ColumnParallelLinear, ShardSpec
+
+    layer = ColumnParallelLinear(256, {"gate": ShardSpec(384, 0, 384), "up": ShardSpec(384, 0, 384)}, bias=False)
+    layer = layer.to(device="cuda", dtype=torch.bfloat16)
+    x, weight = _inputs(1024, 384, 256, 7)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    assert layer.fuses_silu_mul(x)
+    eager = layer.silu_mul(x)
+    assert torch.equal(eager, prompt_gemm.silu_mul_linear(x, weight))
+    static_x = torch.zeros_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer.silu_mul(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer.silu_mul(static_x)
+    static_x.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
