@@ -8,8 +8,9 @@ same features' up tile, fed by the same x chunks, and returns silu(gate) * up fr
 product's full output is never written. TMA descriptors carry the tiles; one program per
 multiprocessor walks the output tiles (persistent), in groups of GROUP_M row tiles so that a group's
 x rows and weight columns stay in L2. Measured on an H100 (benchmarks/gated_gemm_probe.py,
-benchmarks/RESULTS.md, 2026-11-27, twenty-eighth session): 325 against 391 us at 16,384 rows, 185
-against 234 at 8,192, 46 against 57 at 2,048.
+benchmarks/RESULTS.md, 2026-11-27, twenty-eighth session): 325-355 against 380-391 us at 16,384 rows,
+159-185 against 199-234 at 8,192, 46 against 57 at 2,048; end to end, the 256-request workload ran
+0.8% faster in bf16 and FP8 alike.
 
 Its result is rounded as the two kernels' was (each product to bfloat16, SiLU in float32 rounded to
 bfloat16, then the product of the two), and its sums run in cuBLAS's order here: the probe found
@@ -38,9 +39,9 @@ except ImportError:  # CPU-only torch builds have no Triton
     triton = None
 
 ENABLED = os.environ.get("MINIVLLM_PROMPT_GEMM", "1") != "0"
-# Fewer rows: a decode step's, where the Hopper GEMM serves (and cuBLAS's smaller tiles were not
-# measured against this kernel's).
-MIN_ROWS = 512
+# Fewer rows stay on cuBLAS: at 1,024 rows this kernel took 29.1 us against 25.8 (300: 14.9 against
+# 11.6; 512: even), from 2,048 it wins (H100, benchmarks/results/2026-11-27-prompt-gemm/).
+MIN_ROWS = 2048
 # The tile (H100, Qwen3-0.6B's gate|up at 2,048-16,384 rows: the best of 15 tilings at each,
 # gated_gemm_probe.py). Two 128 x 128 float32 sums a program; three stages of x, gate and up chunks.
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS, GROUP_M = 128, 128, 64, 3, 8, 8

@@ -22,9 +22,9 @@ def _inputs(rows: int, intermediate: int, hidden: int, seed: int) -> tuple[torch
 @pytest.mark.parametrize("rows,intermediate,hidden", [
     (16384, 3072, 1024),  # Qwen3-0.6B's MLP in a full prompt step
     (2693, 3072, 1024),  # the 256-request workload's last prompt step
-    (512, 3072, 1024),  # MIN_ROWS
-    (1000, 1536, 1024),  # its TP=2 shard
-    (777, 200, 320),  # neither the features nor K a multiple of the tile: TMA's edges
+    (2048, 3072, 1024),  # MIN_ROWS
+    (2500, 1536, 1024),  # its TP=2 shard
+    (2777, 200, 320),  # neither the features nor K a multiple of the tile: TMA's edges
     (4100, 8960, 1536),  # Qwen2-1.5B's
 ])
 def test_matches_the_projection_then_silu_and_mul(rows: int, intermediate: int, hidden: int) -> None:
@@ -50,7 +50,7 @@ def test_declines_what_it_does_not_serve() -> None:
 
     x, weight = _inputs(prompt_gemm.MIN_ROWS, 256, 128, 0)
     assert prompt_gemm.supports_silu_mul(x, weight)
-    assert not prompt_gemm.supports_silu_mul(x[: prompt_gemm.MIN_ROWS - 1], weight)  # a decode step's rows
+    assert not prompt_gemm.supports_silu_mul(x[: prompt_gemm.MIN_ROWS - 1], weight)  # fewer rows
     assert not prompt_gemm.supports_silu_mul(x, weight, bias=torch.zeros(512, device="cuda", dtype=torch.bfloat16))
     assert not prompt_gemm.supports_silu_mul(x.float(), weight.float())
     assert not prompt_gemm.supports_silu_mul(x[:, 1:], weight[:, 1:])  # rows not 16-byte aligned
@@ -66,7 +66,7 @@ def test_the_mlp_takes_it_for_prompt_rows_and_in_a_cuda_graph() -> None:
 
     layer = ColumnParallelLinear(256, {"gate": ShardSpec(384, 0, 384), "up": ShardSpec(384, 0, 384)}, bias=False)
     layer = layer.to(device="cuda", dtype=torch.bfloat16)
-    x, weight = _inputs(1024, 384, 256, 7)
+    x, weight = _inputs(2048, 384, 256, 7)
     with torch.no_grad():
         layer.weight.copy_(weight)
     assert layer.fuses_silu_mul(x)
