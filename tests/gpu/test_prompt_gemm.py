@@ -85,3 +85,113 @@ def test_the_mlp_takes_it_for_prompt_rows_and_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, eager)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("rows,heads,qk_norm", [(2048, (16, 8), True), (2500, (4, 2), False), (4100, (8, 1), True)])
+def test_linear_rope_equals_the_projection_then_norm_rope(fp8: bool, rows: int, heads: tuple[int, int],
+                                                          qk_norm: bool) -> None:
+    """prompt_gemm.linear_rope leaves what cuBLAS's projection and ops.norm_rope (with its K/V store)
+    leave: q and k normed and rotated, v as projected, this step's K/V in their slots (padding rows
+    nowhere, other slots untouched)."""
+    from minivllm.worker import ops, prompt_gemm
+    from minivllm.worker.attention.kv_cache import gather
+    from tests.gpu.test_hopper_gemm import _exact_qkv_rope, _relative_error, _rope_case
+
+    num_q_heads, num_kv_heads = heads
+    x, weight, layout, num_blocks, rope = _rope_case(rows, num_q_heads, num_kv_heads, fp8, qk_norm, rows)
+    ref_cache = layout.allocate(num_blocks, torch.device("cuda"))
+    r = rope(ref_cache)
+    ref = F.linear(x, weight)
+    parts = [num_q_heads * 128, num_kv_heads * 128, num_kv_heads * 128]
+    q, k, v = ref.split(parts, dim=-1)
+    ops.norm_rope(q.view(rows, num_q_heads, 128), k.view(rows, num_kv_heads, 128), r.positions, r.cos_cache,
+                  r.sin_cache, r.q_norm, r.k_norm, r.eps,
+                  kv_store=(v.view(rows, num_kv_heads, 128), ref_cache, r.slot_mapping, layout))
+    cache = layout.allocate(num_blocks, torch.device("cuda"))
+    assert prompt_gemm.supports_rope(x, weight, None, rope(cache))
+    out = prompt_gemm.linear_rope(x, weight, rope(cache))
+    # The norms sum their squares in other orders, so a value may round to the next bf16 step.
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    equal = [(a == b).float().mean().item() for a, b in zip(out.split(parts, -1), ref.split(parts, -1))]
+    assert min(equal) > 0.97, equal
+    exact = _exact_qkv_rope(x, weight, r, num_q_heads, num_kv_heads)
+    assert _relative_error(out, exact) < 1.2 * _relative_error(ref, exact)
+    stored = r.slot_mapping[r.slot_mapping >= 0]
+    others = torch.tensor(sorted(set(range(num_blocks * 16)) - set(stored.tolist())), device="cuda")
+    for ours, theirs in zip(gather(layout.split(cache), stored, torch.float32),
+                            gather(layout.split(ref_cache), stored, torch.float32)):
+        step = 0.13 if fp8 else 2e-2  # e4m3 keeps 3 mantissa bits
+        torch.testing.assert_close(ours, theirs, rtol=step, atol=step * theirs.abs().amax().item() / 8)
+    assert not any(t.any() for t in gather(layout.split(cache), others, torch.float32))
+
+
+def test_linear_rope_declines_what_it_does_not_serve() -> None:
+    from minivllm.worker import prompt_gemm
+    from tests.gpu.test_hopper_gemm import _rope_case
+
+    x, weight, layout, num_blocks, rope = _rope_case(prompt_gemm.ROPE_MIN_ROWS, 16, 8, True, True, 0)
+    r = rope(layout.allocate(num_blocks, torch.device("cuda")))
+    assert prompt_gemm.supports_rope(x, weight, None, r)
+    assert not prompt_gemm.supports_rope(x[:-1], weight, None, r._replace(positions=r.positions[:-1],
+                                                                          slot_mapping=r.slot_mapping[:-1]))
+    assert not prompt_gemm.supports_rope(x, weight, None, r._replace(num_q_heads=15))  # N is not its heads
+    assert not prompt_gemm.supports_rope(x, weight, None, r._replace(positions=r.positions.int()))
+    assert not prompt_gemm.supports_rope(x, weight, None, r._replace(cos_cache=r.cos_cache[:, :32]))  # partial rotary
+    assert not prompt_gemm.supports_rope(x, weight, torch.zeros(weight.shape[0], device="cuda"), r)  # Qwen2's bias
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
+def test_the_layers_take_both_kernels_and_give_the_plain_paths_logits(tiny_model_factory, monkeypatch,
+                                                                      kv_cache_dtype: str) -> None:
+    """A prompt step of 2,200 tokens (three prompts) on a tiny Qwen3 with heads of 128 takes
+    linear_rope and silu_mul_linear in its layers; that step's logits and the next decode step's
+    (reading the K/V linear_rope stored) are those of cuBLAS with norm_rope and silu_and_mul
+    ($MINIVLLM_PROMPT_GEMM=0), within bf16 rounding."""
+    from minivllm.protocol.config import EngineConfig
+    from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+    from minivllm import SamplingParams
+    from minivllm.worker import prompt_gemm
+    from minivllm.worker.model_runner import ModelRunner
+
+    model_dir = tiny_model_factory("qwen3", head_dim=128, max_position_embeddings=4096)
+    calls = []
+    for name in ("linear_rope", "silu_mul_linear"):
+        kernel = getattr(prompt_gemm, name)
+        monkeypatch.setattr(prompt_gemm, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    prompts = [[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([900, 700, 600])]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def step_logits(enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(prompt_gemm, "ENABLED", enabled)
+        monkeypatch.setattr(prompt_gemm, "ROPE", enabled)
+        config = EngineConfig.create(model_dir, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                                     num_gpu_blocks=160, max_num_batched_tokens=4096, enforce_eager=True)
+        runner = ModelRunner(config)
+        runner.initialize_cache(160)
+        captured = []
+        compute_logits = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(compute_logits(h)) or captured[-1]
+        first_block = [0, 57, 101]
+        new = [NewRequestData(req_id=str(i), prompt_token_ids=ids, output_token_ids=[], sampling_params=greedy,
+                              block_ids=list(range(first_block[i], first_block[i] + -(-(len(ids) + 1) // 16))),
+                              num_computed_tokens=0) for i, ids in enumerate(prompts)]
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=[],
+            num_scheduled_tokens={r.req_id: r.num_prompt_tokens for r in new},
+            total_num_scheduled_tokens=sum(map(len, prompts)), finished_req_ids=[]))
+        prompt_step = captured[-1].float()
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=[CachedRequestData(str(i), [], len(ids))
+                                                          for i, ids in enumerate(prompts)],
+            num_scheduled_tokens={str(i): 1 for i in range(3)}, total_num_scheduled_tokens=3, finished_req_ids=[]))
+        return [prompt_step, captured[-1].float()]
+
+    fused = step_logits(True)
+    # Every layer's qkv; every MLP but the last layer's, which runs on the three sampled rows only.
+    assert calls.count("linear_rope") >= calls.count("silu_mul_linear") > 0, calls
+    calls.clear()
+    plain = step_logits(False)
+    assert not calls
+    for ours, theirs in zip(fused, plain):
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
