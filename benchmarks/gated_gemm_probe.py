@@ -3,7 +3,6 @@ cuBLAS then ops.silu_and_mul (what the engine runs for steps over 256 rows).
 
     python3 benchmarks/gated_gemm_probe.py [--rows 16384 8192 2048]    # on the device machine (Hopper)
     python3 benchmarks/gated_gemm_probe.py --engine --rows 512 1024 2693 16384   # worker/prompt_gemm.py's kernel
-    python3 benchmarks/gated_gemm_probe.py --rope --rows 2048 16384   # prompt_gemm.linear_rope
 
 A prompt step of 16,384 tokens spends ~105 us a layer in SiLU-and-mul (bf16, H100): it reads gate|up's
 [tokens, 6,144] output back and writes half of it. A GEMM that returns silu(gate) * up from its sums
@@ -98,52 +97,12 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.view(torch.int16) == b.view(torch.int16)).float().mean().item()
 
 
-def time_rope(row_counts: list[int]) -> None:
-    """Qwen3-0.6B's qkv (16 q heads, 8 KV heads of 128, q/k norm) into a bf16 and an FP8 cache of
-    blocks of 16, each token a slot of its own in order (as a fresh prompt's), us a call."""
-    from minivllm.worker import hopper_gemm
-    from minivllm.worker.attention.kv_cache import KVCacheLayout
-
-    dev = torch.device("cuda")
-    n, k = SHAPES["qkv"]
-    weight = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    angles = torch.rand(40960, 64, device=dev) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    norms = [(1 + 0.2 * torch.randn(128, device=dev)).to(torch.bfloat16) for _ in range(2)]
-    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: qkv with norm, RoPE and K/V store, us a call")
-    for rows in row_counts:
-        x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-        positions = torch.arange(rows, device=dev)
-        slots = torch.arange(rows, device=dev)
-        for fp8 in (False, True):
-            layout = KVCacheLayout(16, 8, 128, torch.bfloat16, fp8=fp8)
-            cache = layout.allocate(rows // 16 + 1, dev)
-            rope = hopper_gemm.QkvRope(positions, slots, cos, sin, *norms, 1e-6, 16, 8, cache, layout)
-            qkv = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
-
-            def two_kernels() -> None:
-                torch.mm(x, weight.T, out=qkv)
-                q, kk, v = qkv.split([2048, 1024, 1024], dim=-1)
-                ops.norm_rope(q.view(rows, 16, 128), kk.view(rows, 8, 128), positions, cos, sin, *norms, 1e-6,
-                              kv_store=(v.view(rows, 8, 128), cache, slots, layout))
-
-            t_two = graph_time_us(lambda: [two_kernels() for _ in range(8)]) / 8
-            t_mm = graph_time_us(lambda: [torch.mm(x, weight.T, out=qkv) for _ in range(8)]) / 8
-            t_one = graph_time_us(lambda: [prompt_gemm.linear_rope(x, weight, rope) for _ in range(8)]) / 8
-            print(f"rows {rows:5d} {'fp8 ' if fp8 else 'bf16'}: cuBLAS {t_mm:6.1f} + norm_rope {t_two - t_mm:6.1f} = "
-                  f"{t_two:6.1f}, linear_rope {t_one:6.1f} ({t_one / t_two:.3f}x)")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[16384, 8192, 2048])
     parser.add_argument("--engine", action="store_true",
                         help="time only the engine's kernel (prompt_gemm.silu_mul_linear) against cuBLAS + silu_and_mul")
-    parser.add_argument("--rope", action="store_true",
-                        help="time prompt_gemm.linear_rope against cuBLAS + ops.norm_rope with its K/V store")
     args = parser.parse_args()
-    if args.rope:
-        return time_rope(args.rows)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     weights = {name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for name, (n, k) in SHAPES.items()}

@@ -211,9 +211,8 @@ def test_the_decoder_layers_mlp_takes_the_fused_kernel(rows: int, monkeypatch: p
 
 
 def _rope_case(rows: int, num_q_heads: int, num_kv_heads: int, fp8: bool, qk_norm: bool, seed: int):
-    """A qkv projection's inputs and the epilogue's (positions, a cache with some padding rows).
-    (test_prompt_gemm.py takes it too.)"""
-    from minivllm.worker import hopper_gemm
+    """A qkv projection's inputs and the epilogue's (positions, a cache with some padding rows)."""
+    hopper_gemm = _gemm()
     from minivllm.worker.attention.kv_cache import KVCacheLayout
 
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.worker import cpu_gemm, hopper_gemm, ops, prompt_gemm
+from minivllm.worker import cpu_gemm, hopper_gemm, ops
 from minivllm.worker.attention.metadata import AttentionBackend, AttentionMetadata, RopeInputs
 from minivllm.worker.distributed import get_tp_rank, get_tp_world_size, is_first_stage, is_last_stage, pp_layer_range
 from minivllm.worker.models.parallel_layers import (
@@ -188,24 +188,19 @@ class LlamaAttention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(qkv_proj(norm(hidden_states + residual)), the residual stream, rotated). Where the Hopper
         GEMM serves the projection (a step of 2-256 tokens on an H100), its epilogue also norms and
-        rotates q and k and stores this step's k and v in the cache (hopper_gemm.linear_rope), and
-        so does prompt_gemm.linear_rope for a large prompt step's: `rotated` says so, and forward()
-        then skips that work."""
-        weight, bias = self.qkv_proj.weight, self.qkv_proj.bias
-        # A prompt step's rows (from prompt_gemm.ROPE_MIN_ROWS) go to the Triton kernel of
-        # worker/prompt_gemm.py, which does the same in its epilogue.
-        decode_rows = hopper_gemm.ROPE != "0" and hopper_gemm.supports(hidden_states, weight, bias)
-        if self.attn_backend.stores_kv_with_rope and hidden_states.is_cuda and (
-                decode_rows or (prompt_gemm.ROPE and hidden_states.shape[0] >= prompt_gemm.ROPE_MIN_ROWS)):
+        rotates q and k and stores this step's k and v in the cache (hopper_gemm.linear_rope):
+        `rotated` says so, and forward() then skips that work."""
+        weight = self.qkv_proj.weight
+        if (hopper_gemm.ROPE != "0" and self.attn_backend.stores_kv_with_rope
+                and hopper_gemm.supports(hidden_states, weight, self.qkv_proj.bias)):
             q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.use_qk_norm else (None, None)
             rope = hopper_gemm.QkvRope(
                 positions, attn_metadata.slot_mapping, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache, q_norm,
                 k_norm, self.q_norm.eps if self.use_qk_norm else 0.0, self.num_heads, self.num_kv_heads, kv_cache,
                 attn_metadata.layout(kv_cache))
-            kernel = hopper_gemm if decode_rows else prompt_gemm
-            if kernel.supports_rope(hidden_states, weight, bias, rope):
+            if hopper_gemm.supports_rope(hidden_states, weight, self.qkv_proj.bias, rope):
                 normed, residual = ops.add_rms_norm(hidden_states, norm.weight, norm.eps, residual)
-                return kernel.linear_rope(normed, weight, rope), residual, True
+                return hopper_gemm.linear_rope(normed, weight, rope), residual, True
         qkv, residual = self.qkv_proj.forward_normed(hidden_states, residual, norm)
         return qkv, residual, False
 
