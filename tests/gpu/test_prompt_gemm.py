@@ -85,3 +85,56 @@ def test_the_mlp_takes_it_for_prompt_rows_and_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, eager)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
+def test_a_prompt_steps_mlps_take_it_and_give_the_plain_paths_logits(tiny_model_factory, monkeypatch,
+                                                                    kv_cache_dtype: str) -> None:
+    """A prompt step of 2,200 tokens (three prompts) on a tiny Qwen3 takes silu_mul_linear in its
+    MLPs (all but the last layer's, which runs on the three sampled rows only); that step's logits
+    and the next decode step's are those of cuBLAS then silu_and_mul ($MINIVLLM_PROMPT_GEMM=0),
+    within bf16 rounding."""
+    from minivllm import SamplingParams
+    from minivllm.protocol.config import EngineConfig
+    from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+    from minivllm.worker import prompt_gemm
+    from minivllm.worker.model_runner import ModelRunner
+
+    model_dir = tiny_model_factory("qwen3", head_dim=128, max_position_embeddings=4096)
+    calls = []
+    kernel = prompt_gemm.silu_mul_linear
+    monkeypatch.setattr(prompt_gemm, "silu_mul_linear", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    prompts = [[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([900, 700, 600])]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def step_logits(enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(prompt_gemm, "ENABLED", enabled)
+        config = EngineConfig.create(model_dir, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                                     num_gpu_blocks=160, max_num_batched_tokens=4096, enforce_eager=True)
+        runner = ModelRunner(config)
+        runner.initialize_cache(160)
+        captured = []
+        compute_logits = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: captured.append(compute_logits(h)) or captured[-1]
+        first_block = [0, 57, 101]  # each prompt's blocks from here on (room for one more token)
+        new = [NewRequestData(req_id=str(i), prompt_token_ids=ids, output_token_ids=[], sampling_params=greedy,
+                              block_ids=list(range(first_block[i], first_block[i] + -(-(len(ids) + 1) // 16))),
+                              num_computed_tokens=0) for i, ids in enumerate(prompts)]
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=new, scheduled_cached_reqs=[],
+            num_scheduled_tokens={r.req_id: r.num_prompt_tokens for r in new},
+            total_num_scheduled_tokens=sum(map(len, prompts)), finished_req_ids=[]))
+        prompt_step = captured[-1].float()
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=[CachedRequestData(str(i), [], len(ids))
+                                                          for i, ids in enumerate(prompts)],
+            num_scheduled_tokens={str(i): 1 for i in range(3)}, total_num_scheduled_tokens=3, finished_req_ids=[]))
+        return [prompt_step, captured[-1].float()]
+
+    fused = step_logits(True)
+    assert calls and set(calls) == {2200}, calls
+    calls.clear()
+    plain = step_logits(False)
+    assert not calls
+    for ours, theirs in zip(fused, plain):
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
