@@ -3,7 +3,6 @@ cuBLAS then ops.silu_and_mul (what the engine runs for steps over 256 rows).
 
     python3 benchmarks/gated_gemm_probe.py [--rows 16384 8192 2048]    # on the device machine (Hopper)
     python3 benchmarks/gated_gemm_probe.py --engine --rows 512 1024 2693 16384   # worker/prompt_gemm.py's kernel
-    python3 benchmarks/gated_gemm_probe.py --add --rows 8192 16384   # prompt_gemm.linear_add's tilings
 
 A prompt step of 16,384 tokens spends ~105 us a layer in SiLU-and-mul (bf16, H100): it reads gate|up's
 [tokens, 6,144] output back and writes half of it. A GEMM that returns silu(gate) * up from its sums
@@ -98,55 +97,12 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.view(torch.int16) == b.view(torch.int16)).float().mean().item()
 
 
-ADD_TILINGS = [(128, 256, 64, 3, 8, False), (128, 256, 64, 2, 8, True), (128, 256, 32, 3, 8, True),
-               (128, 256, 32, 4, 8, True), (128, 128, 64, 4, 8, True), (128, 128, 64, 3, 8, True)]
-
-
-def time_add(row_counts: list[int]) -> None:
-    """o and down followed by the next norm: cuBLAS, then add + RMSNorm (as now), against
-    linear_add (the residual added in the product's epilogue), then RMSNorm alone; us a call. The
-    last line names the tiling with the least time over every shape and row count."""
-    dev = torch.device("cuda")
-    norm_weight = torch.ones(1024, device=dev, dtype=torch.bfloat16)
-    totals = {tiling: 0.0 for tiling in ADD_TILINGS}
-    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: projection + residual add + RMSNorm, us a call")
-    for rows in row_counts:
-        for name in ("o", "down"):
-            n, k = SHAPES[name]
-            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-            residual = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
-            out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
-
-            def now() -> None:
-                torch.mm(x, w.T, out=out)
-                ops.add_rms_norm(out, norm_weight, 1e-6, residual)
-
-            t_now = graph_time_us(lambda: [now() for _ in range(8)]) / 8
-            line = [f"rows {rows:5d} {name:4s}: cuBLAS + add_rms_norm {t_now:6.1f}"]
-            for tiling in ADD_TILINGS:
-                def fused(tiling=tiling) -> None:
-                    prompt_gemm.linear_add(x, w, residual, tiling)
-                    ops.add_rms_norm(residual, norm_weight, 1e-6, None)
-
-                t = try_time(fused)
-                totals[tiling] += t if t is not None else float("inf")
-                line.append(f"{tiling}: {t:6.1f}" if t is not None else f"{tiling}: failed")
-            print(", ".join(line))
-    best = min(totals, key=totals.get)
-    print("best", ",".join(str(int(v)) for v in best))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[16384, 8192, 2048])
     parser.add_argument("--engine", action="store_true",
                         help="time only the engine's kernel (prompt_gemm.silu_mul_linear) against cuBLAS + silu_and_mul")
-    parser.add_argument("--add", action="store_true",
-                        help="time prompt_gemm.linear_add's tilings against cuBLAS + the add + RMSNorm kernel")
     args = parser.parse_args()
-    if args.add:
-        return time_add(args.rows)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     weights = {name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for name, (n, k) in SHAPES.items()}

@@ -38,17 +38,10 @@ try:
 except ImportError:  # CPU-only torch builds have no Triton
     triton = None
 
-# "0": neither kernel; "silu": the gate|up kernel only (both for measuring).
 ENABLED = os.environ.get("MINIVLLM_PROMPT_GEMM", "1") != "0"
-ADD = os.environ.get("MINIVLLM_PROMPT_GEMM", "1") != "silu"
 # Fewer rows stay on cuBLAS: at 1,024 rows this kernel took 29.1 us against 25.8 (300: 14.9 against
 # 11.6; 512: even), from 2,048 it wins (H100, benchmarks/results/2026-11-27-prompt-gemm/).
 MIN_ROWS = 2048
-# linear_add from this many rows, at this tiling (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, flattened):
-# the plain product at (128, 256) tiles, flattened, took 141 us against cuBLAS's 155 for down at
-# 16,384 rows and 95-96 against 95 for o; even at 8,192; at 2,048 rows 32 against 19 (H100).
-ADD_MIN_ROWS = 8192
-ADD_TILING = (128, 256, 64, 3, 8, True)
 # The tile (H100, Qwen3-0.6B's gate|up at 2,048-16,384 rows: the best of 15 tilings at each,
 # gated_gemm_probe.py). Two 128 x 128 float32 sums a program; three stages of x, gate and up chunks.
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS, GROUP_M = 128, 128, 64, 3, 8, 8
@@ -57,23 +50,19 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS, GROUP_M = 128, 128, 64, 3, 8, 
 if triton is not None:
 
     @triton.jit
-    def _tile_origin(tile, row_tiles, col_tiles, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Output tile `tile`'s first row and column. Row tiles go by groups of GROUP_M: the programs
-        working at once share x rows and weight columns, which stay in L2."""
-        group_tiles = GROUP_M * col_tiles
-        first_row_tile = (tile // group_tiles) * GROUP_M
-        group_rows = tl.minimum(row_tiles - first_row_tile, GROUP_M)
-        return (first_row_tile + tile % group_rows) * BLOCK_M, ((tile % group_tiles) // group_rows) * BLOCK_N
-
-    @triton.jit
     def _silu_mul_linear_kernel(x_desc, w_desc, out_desc, num_rows, intermediate, hidden, num_programs,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 GROUP_M: tl.constexpr):
         """out [num_rows, intermediate] = silu(x Wg^T) * (x Wu^T); w holds the gate rows, then the up rows."""
         row_tiles = tl.cdiv(num_rows, BLOCK_M)
         col_tiles = tl.cdiv(intermediate, BLOCK_N)
+        group_tiles = GROUP_M * col_tiles
         for tile in range(tl.program_id(0), row_tiles * col_tiles, num_programs):
-            row, col = _tile_origin(tile, row_tiles, col_tiles, GROUP_M, BLOCK_M, BLOCK_N)
+            # Row tiles by groups of GROUP_M: the programs working at once share x rows and weight columns.
+            first_row_tile = (tile // group_tiles) * GROUP_M
+            group_rows = tl.minimum(row_tiles - first_row_tile, GROUP_M)
+            row = (first_row_tile + tile % group_rows) * BLOCK_M
+            col = ((tile % group_tiles) // group_rows) * BLOCK_N
             gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, hidden, BLOCK_K):
@@ -84,22 +73,6 @@ if triton is not None:
             dtype = out_desc.dtype
             gate = gate.to(dtype).to(tl.float32)
             out_desc.store([row, col], (gate / (1.0 + tl.exp(-gate))).to(dtype) * up.to(dtype))
-
-    @triton.jit
-    def _linear_add_kernel(x_desc, w_desc, residual_desc, num_rows, n, hidden, num_programs,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-        """residual [num_rows, n] += x W^T, the product rounded to the residual's dtype first (as
-        the add + RMSNorm kernel adds F.linear's output)."""
-        row_tiles = tl.cdiv(num_rows, BLOCK_M)
-        col_tiles = tl.cdiv(n, BLOCK_N)
-        # (Flattened, the next tile's first chunks load under this one's epilogue.)
-        for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, num_programs, flatten=FLATTEN):
-            row, col = _tile_origin(tile, row_tiles, col_tiles, GROUP_M, BLOCK_M, BLOCK_N)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, hidden, BLOCK_K):
-                acc = tl.dot(x_desc.load([row, k]), w_desc.load([col, k]).T, acc)
-            residual_desc.store([row, col], acc.to(residual_desc.dtype) + residual_desc.load([row, col]))
 
 
 @functools.cache
@@ -120,33 +93,6 @@ def supports_silu_mul(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
             and weight.dtype == torch.bfloat16 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
             and weight.shape[0] % 16 == 0 and _tma_ready(x) and _tma_ready(weight)
             and _device_serves(x.device.index or 0))
-
-
-def supports_add(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor) -> bool:
-    """Whether linear_add(x, weight, residual) serves: x [M, K] with M >= ADD_MIN_ROWS, weight [N, K],
-    residual [M, N], bfloat16, on an sm_90 GPU."""
-    return (ENABLED and ADD and triton is not None and weight is not None and x.is_cuda and x.dim() == 2
-            and x.shape[0] >= ADD_MIN_ROWS and x.dtype == weight.dtype == residual.dtype == torch.bfloat16
-            and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-            and tuple(residual.shape) == (x.shape[0], weight.shape[0])
-            and _tma_ready(x) and _tma_ready(weight) and _tma_ready(residual) and _device_serves(x.device.index or 0))
-
-
-def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-               tiling: tuple[int, int, int, int, int, bool] | None = None) -> torch.Tensor:
-    """residual += x weight^T in place (supports_add must hold), and returns it. tiling: (BLOCK_M,
-    BLOCK_N, BLOCK_K, stages, warps, flatten) instead of ADD_TILING (for measuring)."""
-    block_m, block_n, block_k, stages, warps, flatten = tiling or ADD_TILING
-    num_rows, hidden = x.shape
-    n = weight.shape[0]
-    tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
-    num_programs = min(pdl.num_sms(x.device.index or 0), tiles)
-    _linear_add_kernel[(num_programs,)](
-        TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-        TensorDescriptor.from_tensor(residual, [block_m, block_n]), num_rows, n, hidden, num_programs,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, FLATTEN=flatten,
-        num_stages=stages, num_warps=warps)
-    return residual
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -87,35 +87,13 @@ def test_the_mlp_takes_it_for_prompt_rows_and_in_a_cuda_graph() -> None:
     assert torch.equal(static_out, eager)
 
 
-@pytest.mark.parametrize("rows,n,hidden", [(16384, 1024, 2048), (16384, 1024, 3072), (8200, 200, 320)])
-def test_linear_add_matches_the_projection_then_the_add(rows: int, n: int, hidden: int) -> None:
-    """linear_add leaves in the residual what F.linear then the add + RMSNorm kernel's add leave
-    there (each bf16 sum rounded once), at Qwen3-0.6B's o and down shapes and at TMA's edges."""
-    from minivllm.worker import prompt_gemm
-
-    gen = torch.Generator(device="cuda").manual_seed(rows + n + hidden)
-    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(n, hidden, device="cuda", generator=gen) / hidden**0.5).to(torch.bfloat16)
-    residual = (4 * torch.randn(rows, n, device="cuda", generator=gen)).to(torch.bfloat16)
-    expected = F.linear(x, weight) + residual
-    assert prompt_gemm.supports_add(x, weight, residual)
-    out = prompt_gemm.linear_add(x, weight, residual)
-    assert out is residual
-    assert (residual != expected).float().mean().item() < 0.01
-    torch.testing.assert_close(residual, expected, rtol=2e-2, atol=2e-2)
-    fewer = prompt_gemm.ADD_MIN_ROWS - 1
-    assert not prompt_gemm.supports_add(x[:fewer], weight, residual[:fewer])
-    assert not prompt_gemm.supports_add(x, weight, residual[:, :-1])
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
-def test_a_prompt_steps_layers_take_them_and_give_the_plain_paths_logits(tiny_model_factory, monkeypatch,
-                                                                        kv_cache_dtype: str) -> None:
+def test_a_prompt_steps_mlps_take_it_and_give_the_plain_paths_logits(tiny_model_factory, monkeypatch,
+                                                                    kv_cache_dtype: str) -> None:
     """A prompt step of 2,200 tokens (three prompts) on a tiny Qwen3 takes silu_mul_linear in its
-    MLPs and linear_add for o_proj and down_proj (all but the last layer's MLP, which runs on the
-    three sampled rows only; linear_add's row minimum lowered to this step's). That step's logits
-    and the next decode step's are those of cuBLAS, silu_and_mul and the add + RMSNorm kernel
-    ($MINIVLLM_PROMPT_GEMM=0), within bf16 rounding."""
+    MLPs (all but the last layer's, which runs on the three sampled rows only); that step's logits
+    and the next decode step's are those of cuBLAS then silu_and_mul ($MINIVLLM_PROMPT_GEMM=0),
+    within bf16 rounding."""
     from minivllm import SamplingParams
     from minivllm.protocol.config import EngineConfig
     from minivllm.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
@@ -124,11 +102,8 @@ def test_a_prompt_steps_layers_take_them_and_give_the_plain_paths_logits(tiny_mo
 
     model_dir = tiny_model_factory("qwen3", head_dim=128, max_position_embeddings=4096)
     calls = []
-    for name in ("silu_mul_linear", "linear_add"):
-        kernel = getattr(prompt_gemm, name)
-        monkeypatch.setattr(prompt_gemm, name, lambda *args, _k=kernel, _n=name: calls.append((_n, len(args[0])))
-                            or _k(*args))
-    monkeypatch.setattr(prompt_gemm, "ADD_MIN_ROWS", 2048)
+    kernel = prompt_gemm.silu_mul_linear
+    monkeypatch.setattr(prompt_gemm, "silu_mul_linear", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
     prompts = [[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([900, 700, 600])]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -157,7 +132,7 @@ def test_a_prompt_steps_layers_take_them_and_give_the_plain_paths_logits(tiny_mo
         return [prompt_step, captured[-1].float()]
 
     fused = step_logits(True)
-    assert {name for name, _ in calls} == {"silu_mul_linear", "linear_add"} and {n for _, n in calls} == {2200}, calls
+    assert calls and set(calls) == {2200}, calls
     calls.clear()
     plain = step_logits(False)
     assert not calls

@@ -212,14 +212,11 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
         output_rows: OutputRows | None = None,
         rotated: bool = False,
-        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention from the qkv projection's output (project() runs qkv_proj, fused with the norm
         before it; rotated: q and k come normed and rotated, and k and v are in the cache). With
         output_rows, every token's K/V is stored but only those rows attend, and only their outputs
-        come back (worker/output_rows.py). residual: the residual stream, which o_proj adds its
-        output into where one kernel does both (RowParallelLinear.add_into); it then returns
-        residual itself."""
+        come back (worker/output_rows.py)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -252,9 +249,7 @@ class LlamaAttention(nn.Module):
             out = self.attn_backend.attend(q[rows], kv_cache, output_rows.metadata, self.scale)
             return self.o_proj(out.reshape(rows.shape[0], self.q_size))
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, kv_stored=kv_stored)
-        out = out.reshape(num_tokens, self.q_size)
-        summed = self.o_proj.add_into(out, residual)
-        return summed if summed is not None else self.o_proj(out)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -278,17 +273,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x), gated=True)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this MLP of norm(x + residual), x + residual): the decoder layer's second half, with the
         norm run together with gate|up (ColumnParallelLinear.forward_normed), or gate|up together
-        with SiLU-and-mul where one kernel does both (silu_mul). Where down_proj adds its output
-        into x + residual in the same kernel (RowParallelLinear.add_into): (that sum, None)."""
+        with SiLU-and-mul where one kernel does both (silu_mul)."""
         if self.gate_up_proj.fuses_silu_mul(x):
             normed, residual = ops.add_rms_norm(x, norm.weight, norm.eps, residual)
-            activated = self.gate_up_proj.silu_mul(normed)
-            # Where down_proj adds its output into the residual stream, that is the next norm's whole input.
-            summed = self.down_proj.add_into(activated, residual)
-            return (summed, None) if summed is not None else (self.down_proj(activated), residual)
+            return self.down_proj(self.gate_up_proj.silu_mul(normed)), residual
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj(gate_up, gated=True), residual
 
@@ -311,20 +302,14 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         output_rows: OutputRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next norm adds
         them. The first layer gets residual None: its input is the residual stream. Each norm
-        runs together with the projection after it (one kernel at batch 1 on CUDA). Where o_proj
-        and down_proj add their outputs into the residual stream themselves (a large prompt step
-        on Hopper: RowParallelLinear.add_into), the next norm gets the stream alone: residual None,
-        and this layer returns (the stream, None).
+        runs together with the projection after it (one kernel at batch 1 on CUDA).
         output_rows: the attention and the MLP run only for those rows, which alone come back."""
         qkv, residual, rotated = self.self_attn.project(positions, hidden_states, residual, self.input_layernorm,
                                                         kv_cache, attn_metadata)
-        hidden_states = self.self_attn(positions, qkv, kv_cache, attn_metadata, output_rows, rotated,
-                                       residual=residual if output_rows is None else None)
-        if hidden_states is residual:  # o_proj added its output into the stream
-            residual = None
+        hidden_states = self.self_attn(positions, qkv, kv_cache, attn_metadata, output_rows, rotated)
         if output_rows is not None:
             if not hidden_states.shape[0]:
                 return hidden_states, hidden_states
@@ -376,11 +361,10 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata,
                                             output_rows if i == last else None)
         if self.norm is None:
-            # (The next stage adds the two; a layer that left the stream whole sends a zero residual.)
-            return hidden_states, residual if residual is not None else torch.zeros_like(hidden_states)
+            return hidden_states, residual
         if not hidden_states.shape[0]:  # (output_rows: none sample)
             return hidden_states
-        return self.norm(hidden_states) if residual is None else self.norm(hidden_states, residual)[0]
+        return self.norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

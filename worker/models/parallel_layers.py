@@ -159,15 +159,6 @@ class RowParallelLinear(nn.Module):
             x = ops.silu_and_mul(x)
         return all_reduce(projection(x, self.weight, bias, self.packed_weight))
 
-    def add_into(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        """residual += this projection of x, in one kernel where one serves it (a large prompt step
-        on Hopper without tensor parallelism or bias: worker/prompt_gemm.py), and returns residual;
-        else None: the caller projects, and the next norm adds, as before."""
-        if (residual is None or self.world_size != 1 or self.bias is not None or self.packed_weight is not None
-                or not prompt_gemm.supports_add(x, self.weight, residual)):
-            return None
-        return prompt_gemm.linear_add(x, self.weight, residual)
-
     pack_for_cpu = ColumnParallelLinear.pack_for_cpu
 
     def load_weight(self, param_name: str, loaded: Loadable) -> None:
