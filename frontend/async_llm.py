@@ -18,12 +18,11 @@ import weakref
 from collections.abc import AsyncGenerator, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from minivllm.frontend.core_client import AsyncEngineCoreClient, EngineDeadError, config_beside_engine, request_error
-from minivllm.frontend.input_processor import InputProcessor, PromptType, TokenizerLoad
-from minivllm.frontend.model_download import resolve_model
+from minivllm.frontend.core_client import AsyncEngineCoreClient, EngineDeadError, request_error
+from minivllm.frontend.engine_start import start_engine
+from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.output_processor import RequestState, fan_out, gather_stream_output
 from minivllm.frontend.outputs import RequestOutput
-from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import EngineStats
 from minivllm.protocol.sampling_params import SamplingParams
 
@@ -53,20 +52,12 @@ class AsyncLLM:
         engine_key: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        if engine_address is not None:
-            self.client = AsyncEngineCoreClient.attach(engine_address, engine_key=engine_key)
-            tokenizer_load = None
-        else:
-            # The engine processes only see HF directories: fetch / convert here, in the frontend.
-            config, pending = config_beside_engine(
-                lambda: EngineConfig.create(resolve_model(model), **engine_kwargs), engine_kwargs)
-            # The tokenizer loads while the engine starts.
-            tokenizer_load = None if skip_tokenizer_init else TokenizerLoad(config.tokenizer)
-            self.client = AsyncEngineCoreClient.spawn(config, pending)
+        self.client, self.input_processor = start_engine(
+            AsyncEngineCoreClient, model, engine_kwargs, skip_tokenizer_init=skip_tokenizer_init,
+            engine_address=engine_address, engine_key=engine_key)
         # Stop the engine when this object is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.engine_info = self.client.engine_info
-        self.input_processor = InputProcessor.for_engine(self.engine_info, skip_tokenizer_init, tokenizer_load)
         self.tokenizer = self.input_processor.tokenizer
         self.child_ids: dict[str, list[str]] = {}  # request id -> its engine requests, when n > 1
 

@@ -14,12 +14,11 @@ from tqdm.auto import tqdm
 
 from minivllm.frontend.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from minivllm.frontend.chat import Conversation, as_conversations, render_chat_prompt
-from minivllm.frontend.core_client import EngineCoreClient, config_beside_engine, request_error
-from minivllm.frontend.input_processor import InputProcessor, PromptType, TokenizerLoad
-from minivllm.frontend.model_download import resolve_model
+from minivllm.frontend.core_client import EngineCoreClient, request_error
+from minivllm.frontend.engine_start import start_engine
+from minivllm.frontend.input_processor import PromptType
 from minivllm.frontend.output_processor import OutputProcessor, fan_out
 from minivllm.frontend.outputs import Logprob, RequestOutput
-from minivllm.protocol.config import EngineConfig
 from minivllm.protocol.messages import EngineStats
 from minivllm.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -77,21 +76,12 @@ class LLM:
         engine_key: str | None = None,
         **engine_args: Any,
     ) -> None:
-        if engine_address is not None:
-            self.client = EngineCoreClient.attach(engine_address, engine_key=engine_key)
-            tokenizer_load = None
-        else:
-            # The engine processes only see HF directories: fetch / convert here, in the frontend.
-            config, pending = config_beside_engine(
-                lambda: EngineConfig.create(resolve_model(model), **{"usage_context": "LLM_CLASS", **engine_args}),
-                engine_args)
-            # The tokenizer loads while the engine starts.
-            tokenizer_load = None if skip_tokenizer_init else TokenizerLoad(config.tokenizer)
-            self.client = EngineCoreClient.spawn(config, pending)
+        self.client, self.input_processor = start_engine(
+            EngineCoreClient, model, engine_args, skip_tokenizer_init=skip_tokenizer_init,
+            engine_address=engine_address, engine_key=engine_key, config_defaults={"usage_context": "LLM_CLASS"})
         # Stop the engine when this object is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.engine_info = self.client.engine_info
-        self.input_processor = InputProcessor.for_engine(self.engine_info, skip_tokenizer_init, tokenizer_load)
         self.tokenizer = self.input_processor.tokenizer
         self.request_counter = itertools.count()
         self.child_ids: dict[str, list[str]] = {}  # request id -> its engine requests, when n > 1

@@ -41,6 +41,22 @@ def test_a_config_that_fails_stops_the_engine_started_beside_it(tiny_llama) -> N
     assert set(child_processes(os.getpid())) - before == set()
 
 
+@pytest.mark.parametrize("frontend", ["LLM", "AsyncLLM"])
+def test_a_tokenizer_that_fails_after_the_engine_is_up_stops_it(tmp_path, frontend: str) -> None:
+    """The engine serves before the frontend's tokenizer is read (frontend/engine_start.py): a
+    tokenizer that fails to load then stops that engine before the error reaches the caller."""
+    from minivllm import AsyncLLM
+    from tests.tiny_models import build_tiny_model
+
+    path = build_tiny_model(str(tmp_path / "model"), arch="llama")
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        f.write("{not json")
+    before = set(child_processes(os.getpid()))
+    with pytest.raises(ValueError):  # (json's decode error is a ValueError)
+        (LLM if frontend == "LLM" else AsyncLLM)(path, max_model_len=128)
+    assert wait_gone(list(set(child_processes(os.getpid())) - before), timeout=10) == []
+
+
 def test_a_pending_engine_cancelled_takes_its_worker_with_it() -> None:
     pending = PendingEngine()
     engine_pid = pending.proc.pid
