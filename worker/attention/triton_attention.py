@@ -533,20 +533,19 @@ def _attend_query_tile(
         key_hi = tl.where(is_last, cache_unmasked_end, (split + 1) * context_tiles // num_used * BLOCK_N)
         cache_end = tl.where(is_last, cache_end, key_hi)  # (no masked tiles but the last split's)
     if CONTEXT:
-        for key_start in range(key_lo, key_hi, BLOCK_N):
-            acc, l_i, m_i = _attend_key_tile(
-                q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
-                stride_scale_block, stride_scale_slot, stride_scale_head,
-                HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, False, IEEE_FP32, FP8)
-        for key_start in range(key_hi, cache_end, BLOCK_N):
-            acc, l_i, m_i = _attend_key_tile(
-                q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
-                stride_scale_block, stride_scale_slot, stride_scale_head,
-                HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, True, IEEE_FP32, FP8)
+        # Two loops, each compiled apart: the tiles every row sees whole, then the masked ones.
+        for masked in tl.static_range(2):
+            if masked:
+                start, end = key_hi, cache_end
+            else:
+                start, end = key_lo, key_hi
+            for key_start in range(start, end, BLOCK_N):
+                acc, l_i, m_i = _attend_key_tile(
+                    q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
+                    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                    stride_scale_block, stride_scale_slot, stride_scale_head,
+                    HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, masked == 1, IEEE_FP32, FP8)
     if FRESH_KV:
         # The chunk's keys j (its token j) up to the tile's last query: those before the tile's
         # first query are seen by every row (no masks), the rest form the causal diagonal.
