@@ -114,8 +114,10 @@ def main() -> None:
             computed = [c + 1 for c in computed]
         return 1000 * float(np.median(wall))
 
+    # (Every step adds a key to each sequence: each figure below names the keys its steps attended.)
+    keys_from = computed[0] + 1
     step_ms = timed_steps(runner.execute_model, args.steps)
-    print(f"decode step, batch {args.batch}, context ~{args.context}: execute_model {step_ms:.2f} ms "
+    print(f"decode step, batch {args.batch}, {keys_from}-{computed[0]} keys: execute_model {step_ms:.2f} ms "
           f"-> {args.batch / step_ms * 1000:.0f} tok/s")
 
     if args.host:
@@ -172,11 +174,12 @@ def main() -> None:
     q = torch.randn(args.batch, attn.num_heads, attn.head_dim, device="cuda", dtype=torch.bfloat16)
     ms = cuda_time_ms(lambda: paged_attention(q, runner.kv_caches[0], metadata, attn.scale))
     layout = runner.kv_layout
-    kv_bytes = args.batch * (args.context + 1) * 2 * layout.block_bytes // layout.block_size
+    keys = computed[0] + 1  # the step prepared above
+    kv_bytes = args.batch * keys * 2 * layout.block_bytes // layout.block_size
     # Timed eagerly, one launch at a time: on an H100 this read ~360 us (~2.0 TB/s) for 256 x 700,
     # where benchmarks/read_ceilings.py times the same kernel in a CUDA graph at ~2.98 TB/s.
-    print(f"  attention kernel, one layer, eager: {ms * 1000:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
-          f"(x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
+    print(f"  attention kernel, one layer, eager, {keys} keys: {ms * 1000:.1f} us, "
+          f"{kv_bytes / ms / 1e6:.0f} GB/s of KV (x{model.num_layers} layers = {ms * model.num_layers:.2f} ms)")
 
     # A full-budget prefill step (fresh requests, whole prompts of --prompt-len tokens, or one).
     if not args.no_prefill:
@@ -215,6 +218,8 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    if not args.profile_prefill:
+        print(f"profiled: 5 decode steps of {computed[0] + 1}-{computed[0] + 5} keys a sequence")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             if args.profile_prefill and graphed:  # as the engine runs it: padded
