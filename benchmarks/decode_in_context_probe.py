@@ -6,8 +6,9 @@
 ascending runs as a fresh engine hands them out; CUDA graphs of 28 layers, us a layer:
 - `same cache`: every layer reads one cache, as tune_attention.py replays it;
 - `28 caches`: each layer its own cache, as the engine's layers have;
-- `28 caches + projections`: each layer's attention between the layer's add + RMSNorm and its four
-  projections (28 layers of weights, 256 rows); `attention` is that minus `projections alone`.
+- `28 caches + projections`: each attention kernel followed by a layer's add + RMSNorm and four
+  projections (28 layers of weights, 256 rows), so that it starts after a down projection, as the
+  engine's starts after qkv's; `attention` is that minus `projections alone`.
 With PDL (the default) consecutive attention kernels overlap one's tail with the next one's first
 copies; between projections they cannot, and the difference is what the ramp and the tail cost
 inside a step. benchmarks/results/2026-11-28-step-probes/ has the H100's figures.
@@ -52,7 +53,7 @@ def main() -> None:
     def attend(layer: int, own: bool) -> None:
         triton_attention.decode_attention(q, caches[layer] if own else cache, md, scale, out=out)
 
-    def projections(layer: int, hidden: torch.Tensor, residual: torch.Tensor):
+    def projections(layer: int, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = weights[layer]
         normed, residual = ops.add_rms_norm(hidden, norm_weight, 1e-6, residual)
         hopper_gemm.linear(normed, w["qkv"])
