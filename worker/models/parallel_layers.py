@@ -101,15 +101,18 @@ class ColumnParallelLinear(nn.Module):
         the Hopper GEMM's epilogue for a decode step's rows (worker/hopper_gemm.py), the Triton
         kernel of worker/prompt_gemm.py for a prompt step's, where they serve this product."""
         return self.packed_weight is None and (
-            (hopper_gemm.SILU_MUL and hopper_gemm.supports(x, self.weight, self.bias))
-            or prompt_gemm.supports_silu_mul(x, self.weight, self.bias))
+            self._hopper_gated(x) or prompt_gemm.supports_silu_mul(x, self.weight, self.bias))
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused gate|up layer, from one kernel: only where fuses_silu_mul(x)
         holds (elsewhere the caller projects, then runs SiLU-and-mul)."""
-        if hopper_gemm.SILU_MUL and hopper_gemm.supports(x, self.weight, self.bias):
+        if self._hopper_gated(x):
             return hopper_gemm.linear(x, self.weight, silu_mul=True)
         return prompt_gemm.silu_mul_linear(x, self.weight)
+
+    def _hopper_gated(self, x: torch.Tensor) -> bool:
+        """Whether the Hopper GEMM's gated epilogue takes this product (a decode step's rows)."""
+        return hopper_gemm.SILU_MUL and hopper_gemm.supports(x, self.weight, self.bias)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
