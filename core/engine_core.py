@@ -740,15 +740,15 @@ class EngineCoreProc(EngineCore):
         part: list[EngineCoreRequest] = []
         part_tokens = 0
         opened = False  # a part went before: the batch must be closed by a last one
-        last_yield = time.perf_counter()
+        yield_at = time.perf_counter() + _YIELD_INTERVAL_S
         for index, item in enumerate(items):
             # Let the busy loop take the GIL when it wants it (a part to schedule, a step to send):
             # else it waits out the interpreter's switch interval (5 ms) behind this loop. A
             # sleep(0) lasts ~60-85 us on Linux (the timer slack), longer than decoding and checking
             # a request, so this loop yields every _YIELD_INTERVAL_S and after each part it hands over.
-            if time.perf_counter() - last_yield >= _YIELD_INTERVAL_S:
+            if time.perf_counter() >= yield_at:
                 time.sleep(0)
-                last_yield = time.perf_counter()
+                yield_at = time.perf_counter() + _YIELD_INTERVAL_S
             request = self._decode_batch_item(router, identity, item)
             if request is None or not self._admit(router, identity, request):
                 continue
@@ -759,8 +759,7 @@ class EngineCoreProc(EngineCore):
                 self._enqueue(identity, _BatchPart(part, last=False))
                 opened = True
                 part, part_tokens = [], 0
-                time.sleep(0)  # (the busy loop may be waiting for just this part)
-                last_yield = time.perf_counter()
+                yield_at = 0.0  # (the busy loop may be waiting for just this part: yield before the next request)
         if part or opened:
             self.peers.add(identity)
             self._enqueue(identity, _BatchPart(part, last=True))
