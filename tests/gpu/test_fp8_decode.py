@@ -125,6 +125,23 @@ def test_many_sequences_longest_first(kernel) -> None:
     assert error.max() < 2e-2, f"relative error {error.max():.2e}"
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_staggered_first_wave_changes_nothing_but_timing(kernel, monkeypatch, num_splits) -> None:
+    """More CTAs than fit at once, so the first wave's heads are staggered (fp8_decode.STAGGER): the
+    rows equal the reference, and bit for bit the output of the heads run in step."""
+    lengths = torch.randint(1, 1500, (300,), generator=torch.Generator().manual_seed(7)).tolist()
+    q, cache, layout, plain = fp8_batch([(n, 1) for n in lengths], 2, num_kv_heads=8, seed=13)
+    metadata = dataclasses.replace(plain, kv_layout=layout)
+    expected = reference_attention(q.float(), cache, metadata, 128**-0.5)
+    outs = {}
+    for stagger in (False, True):
+        monkeypatch.setattr(fp8_decode, "STAGGER", stagger)
+        outs[stagger] = decode_attention(q, cache, metadata, 128**-0.5, num_splits=num_splits)
+    error = (outs[True].float() - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert error.max() < 2e-2, f"relative error {error.max():.2e}"
+    assert torch.equal(outs[False], outs[True])
+
+
 @pytest.mark.parametrize("with_norm", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("rotary_dim", [128, 64])

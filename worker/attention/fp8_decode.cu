@@ -53,6 +53,14 @@ constexpr int kSharedBytes = kWarps * kStages * kStageBytes;
 static_assert(kStages >= 2, "a ring needs a stage in flight");
 static_assert(kThreads == kHeadDim, "the merge gives each thread one dim of the output");
 constexpr int kMaxGroup = 8;  // queries per KV head: the MMA's narrow side
+// The first wave's stagger. A sequence's KV heads are neighbouring CTAs that read the same cache
+// blocks' slices. Inside a decode step the first wave's 528 CTAs all start as the qkv GEMM's CTAs
+// leave and run in step, and that wave took ~4 us longer than in a chain of decode kernels (whose
+// first wave starts a CTA at a time as the kernel before drains). Delaying head h's loop by h us
+// (of 8) made the step's kernel 1-2.6 us a layer faster, and the 256-request FP8 workload ~0.5%
+// (H100; benchmarks/results/2026-11-28-qkv-overlap/). Walking each head's blocks from its own
+// offset instead, to keep the heads apart without idling, was slower.
+constexpr int kStaggerSpanNs = 8000;
 static_assert(kWarps * kMaxGroup * (kHeadDim + 2) * 4 <= kSharedBytes, "the merge reuses the rings' memory");
 
 struct Params {
@@ -80,6 +88,8 @@ struct Params {
   float* partial_out;  // [seq, head, split, 128] with num_splits > 1
   float* partial_max;  // [seq, head, split]
   float* partial_sum;
+  int stagger_ns;  // the first wave's KV head h starts its loop h x stagger_ns / num_kv_heads late (0: none)
+  int first_wave;  // CTAs resident at once (kMinBlocks an SM)
 };
 
 // The low (HIGH false) or high two e4m3 bytes of a word as two float16.
@@ -128,6 +138,12 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Programmatic dependent launch: wait until the kernel before this one has finished and its writes
 // are visible (a no-op when the launch did not allow an early start).
 __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+__device__ __forceinline__ unsigned long long global_time_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -309,6 +325,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
     copy(staged);
   wait_for_previous_kernel();
   for (; staged < kStages - 1; ++staged) copy(staged);
+  if (p.stagger_ns > 0 && blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) < p.first_wave) {
+    const unsigned long long until = global_time_ns() + static_cast<unsigned long long>(kv_head) * p.stagger_ns / gridDim.x;
+    while (global_time_ns() < until) {
+    }
+  }
 
   // The lane's query row g, in the order its key bytes feed the K-steps (0 for padding rows).
   uint32_t query[8][2];
@@ -408,7 +429,7 @@ extern "C" int minivllm_fp8_decode(
     int64_t stride_key_slot, int64_t stride_key_head, int64_t stride_value_head, int64_t stride_scale_block,
     int64_t stride_scale_head, const int* block_tables, int64_t block_table_stride, const int* seq_lens,
     const int* seq_order, const int* query_start_loc, float scale_log2, int num_splits, void* partial_out,
-    void* partial_max, void* partial_sum, int pdl, void* stream, char* error, int error_len) {
+    void* partial_max, void* partial_sum, int stagger, int pdl, void* stream, char* error, int error_len) {
   if (group < 1 || group > kMaxGroup) {
     snprintf(error, error_len, "query heads per KV head must be 1 to %d, got %d", kMaxGroup, group);
     return 1;
@@ -422,12 +443,22 @@ extern "C" int minivllm_fp8_decode(
     return 1;
   }
   if (num_seqs == 0) return 0;
+  static int num_sms = 0;
+  if (num_sms == 0) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      snprintf(error, error_len, "could not read the multiprocessor count");
+      return 1;
+    }
+  }
   Params p{out, out_stride_token, out_stride_head, query, query_stride_token, query_stride_head,
            static_cast<const uint8_t*>(key_cache), static_cast<const uint8_t*>(value_cache),
            static_cast<const __nv_bfloat16*>(key_scale), static_cast<const __nv_bfloat16*>(value_scale), stride_block,
            stride_key_slot, stride_key_head, stride_value_head, stride_scale_block, stride_scale_head, block_tables,
            block_table_stride, seq_lens, seq_order, query_start_loc, group, scale_log2, num_splits,
-           static_cast<float*>(partial_out), static_cast<float*>(partial_max), static_cast<float*>(partial_sum)};
+           static_cast<float*>(partial_out), static_cast<float*>(partial_max), static_cast<float*>(partial_sum),
+           stagger ? kStaggerSpanNs : 0, num_sms * kMinBlocks};
   static bool configured = false;
   if (!configured) {
     for (auto kernel : {fp8_decode_kernel<__half>, fp8_decode_kernel<__nv_bfloat16>}) {

@@ -41,6 +41,9 @@ from minivllm.worker.attention.kv_cache import KVCacheLayout, KVCacheViews
 from minivllm.worker.attention.metadata import AttentionMetadata
 
 ENABLED = os.environ.get("MINIVLLM_FP8_DECODE_CUDA", "1") != "0"
+# The first wave's KV heads start their loops up to 8 us apart (fp8_decode.cu's kStaggerSpanNs says
+# why); "0" keeps them in step (for measuring).
+STAGGER = os.environ.get("MINIVLLM_FP8_DECODE_STAGGER", "1") != "0"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_decode.cu")
 HEAD_DIM = 128
 BLOCK_SIZE = 16
@@ -59,7 +62,7 @@ def load_library(path: str) -> ctypes.CDLL:
     fn = lib.minivllm_fp8_decode
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                   ptr, i64, ptr, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr, i32, ptr, ctypes.c_char_p, i32]
+                   ptr, i64, ptr, ptr, ptr, ctypes.c_float, i32, ptr, ptr, ptr, i32, i32, ptr, ctypes.c_char_p, i32]
     fn.restype = i32
     return lib
 
@@ -133,6 +136,6 @@ def decode(query: torch.Tensor, views: KVCacheViews, layout: KVCacheLayout, meta
         seq_order.data_ptr() if seq_order is not None else None,
         query_start_loc.data_ptr() if query_start_loc is not None else None, scale * 1.4426950408889634, num_splits,
         *((t.data_ptr() for t in (partial_out, partial_max, partial_sum)) if num_splits > 1 else (None,) * 3),
-        int(pdl.enabled(query.device)), torch.cuda.current_stream(query.device).cuda_stream, error, _ERROR_BYTES)
+        int(STAGGER), int(pdl.enabled(query.device)), torch.cuda.current_stream(query.device).cuda_stream, error, _ERROR_BYTES)
     if status != 0:
         raise RuntimeError(f"FP8 decode attention: {error.value.decode(errors='replace')}")
