@@ -25,6 +25,8 @@ import hashlib
 import shutil
 import sys
 
+from collections.abc import Callable
+
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,6 +82,54 @@ def variant_library(tile: int, weight_stages: int, activation_stages: int, build
     return hopper_gemm.load_library(target)
 
 
+class DecodeLayers:
+    """A decode step's 28 layers at Qwen3-0.6B's shape over build_step's sequences, random weights:
+    add + RMSNorm, linear_rope (q/k norm, RoPE, this step's K/V stored in the layer's cache), attention,
+    o, add + RMSNorm, gate|up with SiLU-and-mul, down. Each layer has its own cache and weights unless
+    they are shared (one of each for all 28)."""
+
+    def __init__(self, q: torch.Tensor, cache: torch.Tensor, md, shared_weights: bool = False,
+                 shared_cache: bool = False) -> None:
+        dev = q.device
+        self.num_tokens, self.md = q.shape[0], md
+        self.caches = [cache] * LAYERS if shared_cache else [cache] + [cache.clone() for _ in range(LAYERS - 1)]
+        self.layout = md.layout(cache)
+        positions, slot_mapping = (md.seq_lens.long() - 1).contiguous(), md.slot_mapping.long().contiguous()
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=dev, dtype=torch.float32) / HEAD_DIM))
+        angles = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos_cache, sin_cache = angles.cos().contiguous(), angles.sin().contiguous()
+        qk_norm = torch.ones(HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        weights = [{n: torch.randn(r, c, device=dev, dtype=torch.bfloat16, generator=gen) * 0.03
+                    for n, (r, c) in SHAPES.items()} for _ in range(1 if shared_weights else LAYERS)]
+        self.weights = weights * LAYERS if shared_weights else weights
+        self.norm_weight = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16)
+        self.hidden0 = torch.randn(self.num_tokens, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty(self.num_tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        self.ropes = [hopper_gemm.QkvRope(positions, slot_mapping, cos_cache, sin_cache, qk_norm, qk_norm, 1e-6, HEADS,
+                                          KV_HEADS, self.caches[layer], self.layout) for layer in range(LAYERS)]
+
+    def run(self, with_attention: bool = True, token_tile: int | None = None,
+            before_qkv: Callable[[int], None] | None = None, before_mlp: Callable[[int], None] | None = None) -> None:
+        """The 28 layers (without their attention kernels if not with_attention; linear_rope at
+        token_tile, else its rule's), calling before_qkv(layer) and before_mlp(layer) where they say."""
+        hidden, residual = self.hidden0, self.hidden0.clone()
+        for layer in range(LAYERS):
+            w = self.weights[layer]
+            normed, residual = ops.add_rms_norm(hidden, self.norm_weight, 1e-6, residual)
+            if before_qkv is not None:
+                before_qkv(layer)
+            qkv = hopper_gemm.linear_rope(normed, w["qkv"], self.ropes[layer], token_tile=token_tile)
+            if with_attention:
+                query = qkv[:, : HEADS * HEAD_DIM].view(self.num_tokens, HEADS, HEAD_DIM)
+                triton_attention.decode_attention(query, self.caches[layer], self.md, HEAD_DIM**-0.5, out=self.out)
+            hidden = hopper_gemm.linear(self.out.view(self.num_tokens, HEADS * HEAD_DIM), w["o"])
+            normed, residual = ops.add_rms_norm(hidden, self.norm_weight, 1e-6, residual)
+            if before_mlp is not None:
+                before_mlp(layer)
+            hidden = hopper_gemm.linear(hopper_gemm.linear(normed, w["gate_up"], silu_mul=True), w["down"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fp8", action="store_true")
@@ -91,41 +141,10 @@ def main() -> None:
     args = parser.parse_args()
     cases = CASES["decode-256xragged"][0] if args.ragged else [(args.context, 1)] * 256
     q, cache, md, _, _ = build_step(cases, args.fp8, block_order="ascending")
-    num_tokens = q.shape[0]
-    dev = q.device
-    caches = [cache] + [cache.clone() for _ in range(LAYERS - 1)]
-    layout = md.layout(cache)
-    positions = (md.seq_lens.long() - 1).contiguous()
-    slot_mapping = md.slot_mapping.long().contiguous()
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=dev, dtype=torch.float32) / HEAD_DIM))
-    angles = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos_cache, sin_cache = angles.cos().contiguous(), angles.sin().contiguous()
-    qk_norm = torch.ones(HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    weights = [{n: torch.randn(r, c, device=dev, dtype=torch.bfloat16, generator=gen) * 0.03
-                for n, (r, c) in SHAPES.items()} for _ in range(LAYERS)]
-    norm_weight = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16)
-    hidden0 = torch.randn(num_tokens, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
-    out = torch.empty(num_tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    scale = HEAD_DIM**-0.5
-    ropes = [hopper_gemm.QkvRope(positions, slot_mapping, cos_cache, sin_cache, qk_norm, qk_norm, 1e-6, HEADS,
-                                 KV_HEADS, caches[layer], layout) for layer in range(LAYERS)]
+    layers = DecodeLayers(q, cache, md)
 
-    def chain(with_attention: bool, token_tile: int | None) -> None:
-        hidden, residual = hidden0, hidden0.clone()
-        for layer in range(LAYERS):
-            w = weights[layer]
-            normed, residual = ops.add_rms_norm(hidden, norm_weight, 1e-6, residual)
-            qkv = hopper_gemm.linear_rope(normed, w["qkv"], ropes[layer], token_tile=token_tile)
-            if with_attention:
-                query = qkv[:, : HEADS * HEAD_DIM].view(num_tokens, HEADS, HEAD_DIM)
-                triton_attention.decode_attention(query, caches[layer], md, scale, out=out)
-            hidden = hopper_gemm.linear(out.view(num_tokens, HEADS * HEAD_DIM), w["o"])
-            normed, residual = ops.add_rms_norm(hidden, norm_weight, 1e-6, residual)
-            hidden = hopper_gemm.linear(hopper_gemm.linear(normed, w["gate_up"], silu_mul=True), w["down"])
-
-    default_tile = hopper_gemm.rope_token_tile(num_tokens, SHAPES["qkv"][0] // HEAD_DIM,
-                                               torch.cuda.get_device_properties(dev).multi_processor_count)
+    default_tile = hopper_gemm.rope_token_tile(q.shape[0], SHAPES["qkv"][0] // HEAD_DIM,
+                                               torch.cuda.get_device_properties(q.device).multi_processor_count)
     shape = "100-1,280" if args.ragged else args.context
     print(f"{torch.cuda.get_device_name()} {'fp8' if args.fp8 else 'bf16'} 256 x {shape}; us a layer "
           f"(the engine's rope tile here: {default_tile})", flush=True)
@@ -143,11 +162,11 @@ def main() -> None:
             stages = None
         hopper_gemm.library = lambda lib=lib: lib  # linear_rope and linear look it up each call
         try:
-            full = graph_time_us(lambda: chain(True, tile)) / LAYERS
-            bare = graph_time_us(lambda: chain(False, tile)) / LAYERS
+            full = graph_time_us(lambda: layers.run(True, tile)) / LAYERS
+            bare = graph_time_us(lambda: layers.run(False, tile)) / LAYERS
             # The outputs of this variant's last layer against the first variant's.
-            chain(True, tile)
-            result = out.float().clone()
+            layers.run(True, tile)
+            result = layers.out.float().clone()
         finally:
             hopper_gemm.library = lambda: built
         if reference is None:

@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.graph_timing import graph_time_us
-from benchmarks.qkv_attention_overlap_probe import HIDDEN, LAYERS, SHAPES
+from benchmarks.qkv_attention_overlap_probe import LAYERS, DecodeLayers
 from benchmarks.tune_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, build_step
 from minivllm.protocol.config import cache_root
-from minivllm.worker import hopper_gemm, ops
+from minivllm.worker import hopper_gemm
 from minivllm.worker.attention import fp8_decode, triton_attention
 from minivllm.worker.attention.cuda_build import compile_library, find_nvcc
 
@@ -267,23 +267,8 @@ def main() -> None:
     gemm_lib = timed_build(hopper_gemm.SOURCE, GEMM_EDITS, hopper_gemm.load_library)
     fp8_decode.library = lambda: attention_lib
     hopper_gemm.library = lambda: gemm_lib
-    caches = [cache] * LAYERS if args.shared_cache else [cache] + [cache.clone() for _ in range(LAYERS - 1)]
-    layout = md.layout(cache)
-    positions, slot_mapping = (md.seq_lens.long() - 1).contiguous(), md.slot_mapping.long().contiguous()
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=dev, dtype=torch.float32) / HEAD_DIM))
-    angles = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos_cache, sin_cache = angles.cos().contiguous(), angles.sin().contiguous()
-    qk_norm = torch.ones(HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    weights = [{n: torch.randn(r, c, device=dev, dtype=torch.bfloat16, generator=gen) * 0.03
-                for n, (r, c) in SHAPES.items()} for _ in range(1 if args.shared_weights else LAYERS)]
-    weights = weights * LAYERS if args.shared_weights else weights
-    norm_weight = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16)
-    hidden0 = torch.randn(num_tokens, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
-    out = torch.empty(num_tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    scale = HEAD_DIM**-0.5
-    ropes = [hopper_gemm.QkvRope(positions, slot_mapping, cos_cache, sin_cache, qk_norm, qk_norm, 1e-6, HEADS,
-                                 KV_HEADS, caches[layer], layout) for layer in range(LAYERS)]
+    layers = DecodeLayers(q, cache, md, args.shared_weights, args.shared_cache)
+    out = layers.out
 
     seq_order = md.longest_first()
     first_wave = min(num_tokens * KV_HEADS, 4 * torch.cuda.get_device_properties(dev).multi_processor_count)
@@ -292,7 +277,7 @@ def main() -> None:
     def prefetch(layer: int) -> None:
         if prefetcher is None or layer >= LAYERS:
             return
-        views = layout.split(caches[layer])
+        views = layers.layout.split(layers.caches[layer])
         assert views.key.stride(1) == 128 and views.value.stride(1) == 1 and views.key_scale.stride(1) == 1
         rc = prefetcher.minivllm_prefetch_first_blocks(
             views.key.data_ptr(), views.value.data_ptr(), views.key_scale.data_ptr(), views.value_scale.data_ptr(),
@@ -302,26 +287,14 @@ def main() -> None:
         assert rc == 0, rc
 
     def step() -> None:
-        hidden, residual = hidden0, hidden0.clone()
         if args.prefetch_at == "mlp":
             prefetch(0)
-        for layer in range(LAYERS):
-            w = weights[layer]
-            normed, residual = ops.add_rms_norm(hidden, norm_weight, 1e-6, residual)
-            if args.prefetch_at == "qkv":
-                prefetch(layer)
-            qkv = hopper_gemm.linear_rope(normed, w["qkv"], ropes[layer])
-            query = qkv[:, : HEADS * HEAD_DIM].view(num_tokens, HEADS, HEAD_DIM)
-            triton_attention.decode_attention(query, caches[layer], md, scale, out=out)
-            hidden = hopper_gemm.linear(out.view(num_tokens, HEADS * HEAD_DIM), w["o"])
-            normed, residual = ops.add_rms_norm(hidden, norm_weight, 1e-6, residual)
-            if args.prefetch_at == "mlp":
-                prefetch(layer + 1)
-            hidden = hopper_gemm.linear(hopper_gemm.linear(normed, w["gate_up"], silu_mul=True), w["down"])
+        layers.run(before_qkv=prefetch if args.prefetch_at == "qkv" else None,
+                   before_mlp=(lambda layer: prefetch(layer + 1)) if args.prefetch_at == "mlp" else None)
 
     def chain() -> None:
         for layer in range(LAYERS):
-            triton_attention.decode_attention(q, caches[layer], md, scale, out=out)
+            triton_attention.decode_attention(q, layers.caches[layer], md, HEAD_DIM**-0.5, out=out)
 
     num_ctas = num_tokens * KV_HEADS
     resident = 4 * torch.cuda.get_device_properties(dev).multi_processor_count
