@@ -326,7 +326,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   wait_for_previous_kernel();
   for (; staged < kStages - 1; ++staged) copy(staged);
   if (p.stagger_ns > 0 && blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) < p.first_wave) {
-    const unsigned long long until = global_time_ns() + static_cast<unsigned long long>(kv_head) * p.stagger_ns / gridDim.x;
+    const unsigned long long delay_ns = static_cast<unsigned long long>(kv_head) * p.stagger_ns / gridDim.x;
+    const unsigned long long until = global_time_ns() + delay_ns;
     while (global_time_ns() < until) {
     }
   }
@@ -443,14 +444,11 @@ extern "C" int minivllm_fp8_decode(
     return 1;
   }
   if (num_seqs == 0) return 0;
-  static int num_sms = 0;
-  if (num_sms == 0) {
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      snprintf(error, error_len, "could not read the multiprocessor count");
-      return 1;
-    }
+  int device = 0, num_sms = 0;  // (the current device's: a process may drive more than one GPU)
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    snprintf(error, error_len, "could not read the multiprocessor count");
+    return 1;
   }
   Params p{out, out_stride_token, out_stride_head, query, query_stride_token, query_stride_head,
            static_cast<const uint8_t*>(key_cache), static_cast<const uint8_t*>(value_cache),

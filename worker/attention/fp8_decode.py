@@ -136,6 +136,7 @@ def decode(query: torch.Tensor, views: KVCacheViews, layout: KVCacheLayout, meta
         seq_order.data_ptr() if seq_order is not None else None,
         query_start_loc.data_ptr() if query_start_loc is not None else None, scale * 1.4426950408889634, num_splits,
         *((t.data_ptr() for t in (partial_out, partial_max, partial_sum)) if num_splits > 1 else (None,) * 3),
-        int(STAGGER), int(pdl.enabled(query.device)), torch.cuda.current_stream(query.device).cuda_stream, error, _ERROR_BYTES)
+        int(STAGGER), int(pdl.enabled(query.device)), torch.cuda.current_stream(query.device).cuda_stream, error,
+        _ERROR_BYTES)
     if status != 0:
         raise RuntimeError(f"FP8 decode attention: {error.value.decode(errors='replace')}")
