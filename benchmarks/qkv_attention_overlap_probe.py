@@ -62,7 +62,8 @@ def variant_library(tile: int, weight_stages: int, activation_stages: int, build
     with open(hopper_gemm.SOURCE) as f:
         text = f.read()
     assert ROPE_STAGES in text and ACTIVATION_RING in text, "hopper_gemm.cu's stage choice moved: update the probe"
-    text = text.replace(ROPE_STAGES, f"launch<BT, BT == {tile} ? {weight_stages} : max_stages<BT, true>(), false, true>")
+    stages = f"BT == {tile} ? {weight_stages} : max_stages<BT, true>()"
+    text = text.replace(ROPE_STAGES, f"launch<BT, {stages}, false, true>")
     text = text.replace(ACTIVATION_RING, f"static constexpr int SX = ROPE && BT == {tile} && SW == {weight_stages} ? "
                                          f"{activation_stages} : "
                                          f"{ACTIVATION_RING.split('= ', 1)[1]}")

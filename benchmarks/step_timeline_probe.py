@@ -259,7 +259,8 @@ def main() -> None:
     if args.stagger:
         first_wave_ctas = 4 * torch.cuda.get_device_properties(0).multi_processor_count
         spin = ("  {\n    const int cta = blockIdx.x + gridDim.x * blockIdx.y;\n"
-                f"    if (cta < {first_wave_ctas}) while (timeline_now() < t_wait + (cta % 8) * {args.stagger}ull) {{}}\n"
+                f"    if (cta < {first_wave_ctas})\n"
+                f"      while (timeline_now() < t_wait + (cta % 8) * {args.stagger}ull) {{}}\n"
                 "  }\n")
         edits = [(old, new.replace("t_wait = timeline_now();\n", "t_wait = timeline_now();\n" + spin))
                  for old, new in edits]
@@ -299,13 +300,13 @@ def main() -> None:
     num_ctas = num_tokens * KV_HEADS
     resident = 4 * torch.cuda.get_device_properties(dev).multi_processor_count
     shape = "100-1,280" if args.ragged else args.context
-    print(f"{torch.cuda.get_device_name()} fp8 256 x {shape}, blocks ascending"
-          f"{', the decode kernel NOT waiting for the kernel before it' if args.no_wait else ''}"
-          f"{', one set of weights' if args.shared_weights else ''}{', one cache' if args.shared_cache else ''}"
-          f"{f', prefetching {args.prefetch} blocks a first-wave CTA before {args.prefetch_at}' if args.prefetch else ''}"
-          f"{f', first-wave CTAs staggered by {args.stagger} ns' if args.stagger else ''}"
-          "; us",
-          flush=True)
+    setup = [f"{torch.cuda.get_device_name()} fp8 256 x {shape}", "blocks ascending"]
+    setup += ["the decode kernel NOT waiting for the kernel before it"] if args.no_wait else []
+    setup += ["one set of weights"] if args.shared_weights else []
+    setup += ["one cache"] if args.shared_cache else []
+    setup += [f"prefetching {args.prefetch} blocks a first-wave CTA before {args.prefetch_at}"] if args.prefetch else []
+    setup += [f"first-wave CTAs staggered by {args.stagger} ns"] if args.stagger else []
+    print(", ".join(setup) + "; us", flush=True)
     for name, fn, with_gemm in (("step", step, True), ("chain", chain, False), ("step", step, True)):
         us = graph_time_us(fn) / LAYERS  # (its last replay's last layer is what the buffers hold)
         report(name, read(attention_lib, 4 * MAX_ATTENTION_CTAS), read(gemm_lib, 6 * MAX_GEMM_CTAS) if with_gemm
