@@ -18,7 +18,8 @@ than in a chain (benchmarks/results/2026-11-28-qkv-overlap/ has the H100's answe
 - --no-wait: a bound, the decode kernel not waiting for the GEMM (its output is wrong);
 - --shared-weights, --shared-cache: the step touching less memory (TLB reach);
 - --prefetch N [--prefetch-at qkv|mlp]: the first wave's first N blocks pulled into L2 beforehand;
-- --stagger N: the first wave's head h spinning h x N ns after its wait, out of step with the
+- --stagger N [--stagger-by head|seq]: the first wave's head h (or the CTAs of the sequence at
+  position y of the order, by y % 8) spinning h x N ns after its wait, out of step with the
   sequence's other heads. This one paid, and fp8_decode.cu now does it itself
   (MINIVLLM_FP8_DECODE_STAGGER=0 turns that off, as these figures need before --stagger).
 """
@@ -245,8 +246,12 @@ def main() -> None:
     parser.add_argument("--prefetch-at", default="qkv", choices=("qkv", "mlp"),
                         help="where: before the qkv GEMM, or before the layer before's gate|up projection")
     parser.add_argument("--stagger", type=int, default=0,
-                        help="after its wait, first-wave CTA c of the decode kernel spins (c %% 8) x N ns before "
-                             "going on: are the first wave's CTAs slower for running in step with each other?")
+                        help="after its wait, a first-wave CTA of the decode kernel spins (its phase, 0-7, see "
+                             "--stagger-by) x N ns before going on: are the first wave's CTAs slower for running in "
+                             "step? (run with MINIVLLM_FP8_DECODE_STAGGER=0)")
+    parser.add_argument("--stagger-by", default="head", choices=("head", "seq"),
+                        help="stagger by KV head (a sequence's 8 CTAs apart), or by the sequence's position in the "
+                             "order (its 8 CTAs together, neighbouring sequences apart)")
     parser.add_argument("--shared-weights", action="store_true", help="every layer uses layer 0's weights")
     parser.add_argument("--shared-cache", action="store_true", help="every layer reads (and writes) layer 0's cache")
     args = parser.parse_args()
@@ -258,9 +263,10 @@ def main() -> None:
         edits = [(old, new.replace("  wait_for_previous_kernel();\n", "")) for old, new in edits]
     if args.stagger:
         first_wave_ctas = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+        phase = "blockIdx.x % 8" if args.stagger_by == "head" else "blockIdx.y % 8"
         spin = ("  {\n    const int cta = blockIdx.x + gridDim.x * blockIdx.y;\n"
                 f"    if (cta < {first_wave_ctas})\n"
-                f"      while (timeline_now() < t_wait + (cta % 8) * {args.stagger}ull) {{}}\n"
+                f"      while (timeline_now() < t_wait + ({phase}) * {args.stagger}ull) {{}}\n"
                 "  }\n")
         edits = [(old, new.replace("t_wait = timeline_now();\n", "t_wait = timeline_now();\n" + spin))
                  for old, new in edits]
@@ -305,7 +311,7 @@ def main() -> None:
     setup += ["one set of weights"] if args.shared_weights else []
     setup += ["one cache"] if args.shared_cache else []
     setup += [f"prefetching {args.prefetch} blocks a first-wave CTA before {args.prefetch_at}"] if args.prefetch else []
-    setup += [f"first-wave CTAs staggered by {args.stagger} ns"] if args.stagger else []
+    setup += [f"first-wave CTAs staggered by {args.stagger_by}, {args.stagger} ns"] if args.stagger else []
     print(", ".join(setup) + "; us", flush=True)
     for name, fn, with_gemm in (("step", step, True), ("chain", chain, False), ("step", step, True)):
         us = graph_time_us(fn) / LAYERS  # (its last replay's last layer is what the buffers hold)
