@@ -14,8 +14,8 @@ benchmarks/RESULTS.md, 2026-11-27, twenty-eighth session): 325-355 against 380-3
 
 Its result is rounded as the two kernels' was (each product to bfloat16, SiLU in float32 rounded to
 bfloat16, then the product of the two). On the H100 the probe found every output bit-equal to cuBLAS
-then silu_and_mul at these shapes; the tests allow a bfloat16 step on 1% of them. Decode steps (at most hopper_gemm.MAX_ROWS rows)
-keep the Hopper GEMM's own SiLU-and-mul epilogue (worker/hopper_gemm.py).
+then silu_and_mul at these shapes; the tests allow a bfloat16 step on 1% of them. Decode steps (at
+most hopper_gemm.MAX_ROWS rows) keep the Hopper GEMM's own SiLU-and-mul epilogue (worker/hopper_gemm.py).
 
 It serves bfloat16 products without bias on compute capability 9.0, from MIN_ROWS rows, with TMA's
 alignment (K and the intermediate size multiples of 8, rows 16-byte aligned); everything else stays
