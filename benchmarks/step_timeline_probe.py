@@ -168,8 +168,8 @@ def timed_build(source: str, edits: list[tuple[str, str]], loader) -> ctypes.CDL
     target = os.path.join(directory, name.replace(".cu", ".so"))
     if not os.path.exists(target):
         os.makedirs(directory, exist_ok=True)
-        if os.path.exists(os.path.join(os.path.dirname(source), "hopper_ptx.cuh")):
-            shutil.copy(os.path.join(os.path.dirname(source), "hopper_ptx.cuh"), directory)
+        if '#include "hopper_ptx.cuh"' in text:  # (from the engine's tree: source may be a copy elsewhere)
+            shutil.copy(os.path.join(os.path.dirname(hopper_gemm.SOURCE), "hopper_ptx.cuh"), directory)
         with open(os.path.join(directory, name), "w") as f:
             f.write(text)
         compile_library(find_nvcc(), os.path.join(directory, name), target + ".tmp")
@@ -178,6 +178,22 @@ def timed_build(source: str, edits: list[tuple[str, str]], loader) -> ctypes.CDL
     lib.minivllm_read_timeline.argtypes = [ctypes.c_void_p]
     lib.minivllm_read_timeline.restype = ctypes.c_int
     return lib
+
+
+def attention_edits(no_wait: bool, stagger: int, stagger_by: str, num_sms: int) -> list[tuple[str, str]]:
+    """ATTENTION_EDITS with --no-wait's and --stagger's changes (a GPU of num_sms multiprocessors)."""
+    edits = list(ATTENTION_EDITS)
+    if no_wait:
+        edits = [(old, new.replace("  wait_for_previous_kernel();\n", "")) for old, new in edits]
+    if stagger:
+        phase = "blockIdx.x % 8" if stagger_by == "head" else "blockIdx.y % 8"
+        spin = ("  {\n    const int cta = blockIdx.x + gridDim.x * blockIdx.y;\n"
+                f"    if (cta < {4 * num_sms})\n"
+                f"      while (timeline_now() < t_wait + ({phase}) * {stagger}ull) {{}}\n"
+                "  }\n")
+        edits = [(old, new.replace("t_wait = timeline_now();\n", "t_wait = timeline_now();\n" + spin))
+                 for old, new in edits]
+    return edits
 
 
 def read(lib: ctypes.CDLL, size: int) -> np.ndarray:
@@ -252,26 +268,18 @@ def main() -> None:
     parser.add_argument("--stagger-by", default="head", choices=("head", "seq"),
                         help="stagger by KV head (a sequence's 8 CTAs apart), or by the sequence's position in the "
                              "order (its 8 CTAs together, neighbouring sequences apart)")
+    parser.add_argument("--gemm-source", default=hopper_gemm.SOURCE,
+                        help="the hopper_gemm.cu to time (another tree's copy, to set beside this one's)")
     parser.add_argument("--shared-weights", action="store_true", help="every layer uses layer 0's weights")
     parser.add_argument("--shared-cache", action="store_true", help="every layer reads (and writes) layer 0's cache")
     args = parser.parse_args()
     cases = CASES["decode-256xragged"][0] if args.ragged else [(args.context, 1)] * 256
     q, cache, md, _, _ = build_step(cases, True, block_order="ascending")
     num_tokens, dev = q.shape[0], q.device
-    edits = list(ATTENTION_EDITS)
-    if args.no_wait:
-        edits = [(old, new.replace("  wait_for_previous_kernel();\n", "")) for old, new in edits]
-    if args.stagger:
-        first_wave_ctas = 4 * torch.cuda.get_device_properties(0).multi_processor_count
-        phase = "blockIdx.x % 8" if args.stagger_by == "head" else "blockIdx.y % 8"
-        spin = ("  {\n    const int cta = blockIdx.x + gridDim.x * blockIdx.y;\n"
-                f"    if (cta < {first_wave_ctas})\n"
-                f"      while (timeline_now() < t_wait + ({phase}) * {args.stagger}ull) {{}}\n"
-                "  }\n")
-        edits = [(old, new.replace("t_wait = timeline_now();\n", "t_wait = timeline_now();\n" + spin))
-                 for old, new in edits]
+    edits = attention_edits(args.no_wait, args.stagger, args.stagger_by,
+                            torch.cuda.get_device_properties(0).multi_processor_count)
     attention_lib = timed_build(fp8_decode.SOURCE, edits, fp8_decode.load_library)
-    gemm_lib = timed_build(hopper_gemm.SOURCE, GEMM_EDITS, hopper_gemm.load_library)
+    gemm_lib = timed_build(args.gemm_source, GEMM_EDITS, hopper_gemm.load_library)
     fp8_decode.library = lambda: attention_lib
     hopper_gemm.library = lambda: gemm_lib
     layers = DecodeLayers(q, cache, md, args.shared_weights, args.shared_cache)
@@ -311,6 +319,7 @@ def main() -> None:
     setup += ["one set of weights"] if args.shared_weights else []
     setup += ["one cache"] if args.shared_cache else []
     setup += [f"prefetching {args.prefetch} blocks a first-wave CTA before {args.prefetch_at}"] if args.prefetch else []
+    setup += [f"qkv GEMM from {args.gemm_source}"] if args.gemm_source != hopper_gemm.SOURCE else []
     setup += [f"first-wave CTAs staggered by {args.stagger_by}, {args.stagger} ns"] if args.stagger else []
     print(", ".join(setup) + "; us", flush=True)
     for name, fn, with_gemm in (("step", step, True), ("chain", chain, False), ("step", step, True)):
