@@ -293,7 +293,7 @@ def main() -> None:
         if prefetcher is None or layer >= LAYERS:
             return
         views = layers.layout.split(layers.caches[layer])
-        assert views.key.stride(1) == 128 and views.value.stride(1) == 1 and views.key_scale.stride(1) == 1
+        assert views.key.stride(1) == 128 and views.value.stride(1) == 128 and views.key_scale.stride(1) == 1
         rc = prefetcher.minivllm_prefetch_first_blocks(
             views.key.data_ptr(), views.value.data_ptr(), views.key_scale.data_ptr(), views.value_scale.data_ptr(),
             md.block_tables.data_ptr(), md.block_tables.stride(0), md.seq_lens.data_ptr(), seq_order.data_ptr(),

@@ -57,7 +57,7 @@ struct RopeParams {
   void* v_cache;
   __nv_bfloat16* k_scale;       // e4m3 only
   __nv_bfloat16* v_scale;
-  int64_t block_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, v_dim_stride;
+  int64_t block_stride, k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;  // (dims: stride 1)
   int64_t scale_block_stride, scale_slot_stride, scale_head_stride;
   float eps;
   int num_q_heads, num_kv_heads, block_size, fp8;
@@ -388,37 +388,21 @@ __device__ __forceinline__ void rope_tokens(const float* tile, const float* smem
     const int2 slot = smem_slots[t];  // (block, offset in it); block -1: stored nowhere
     if (is_q || slot.x < 0) continue;
     const int64_t block = slot.x, offset = slot.y;
+    // A key's and a value's vectors are each one row of the block (kv_cache.py); in the cache's elements:
+    const int64_t row = block * r.block_stride + offset * (is_k ? r.k_slot_stride : r.v_slot_stride) +
+                        kv_head * (is_k ? r.k_head_stride : r.v_head_stride);
     if (r.fp8) {
       const float2 f01 = __bfloat1622float2(x01), f23 = __bfloat1622float2(x23);
       const float x[4] = {f01.x, f01.y, f23.x, f23.y};
       float scale;
       const uint32_t e4m3 = quantize_e4m3(x, scale);
-      const int64_t scale_at = block * r.scale_block_stride + offset * r.scale_slot_stride + kv_head * r.scale_head_stride;
-      if (is_k) {
-        uint8_t* keys = static_cast<uint8_t*>(r.k_cache) + block * r.block_stride + offset * r.k_slot_stride +
-                        kv_head * r.k_head_stride;
-        reinterpret_cast<uint32_t*>(keys)[lane] = e4m3;
-        if (lane == 0) r.k_scale[scale_at] = __float2bfloat16_rn(scale);  // (exact)
-      } else {
-        // Values are stored transposed: a dim's slots are consecutive bytes, so each of the token's
-        // bytes goes to a 16-byte row of its own. Store k writes dims 32 k .. 32 k + 31 (lane l: dim
-        // 32 k + l, taken from lane 8 k + l / 4), so that one store covers 4 whole 128-byte lines of
-        // the block rather than 16 lines in part: the SM's store throughput in lines, not the bytes,
-        // bounded the V heads' CTAs (4 lanes' bytes a line, 4.7 of 14.3 us at 256 rows).
-        uint8_t* values = static_cast<uint8_t*>(r.v_cache) + block * r.block_stride + offset * r.v_slot_stride +
-                          kv_head * r.v_head_stride + lane * r.v_dim_stride;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint32_t word = __shfl_sync(0xffffffffu, e4m3, 8 * k + lane / 4);
-          values[32 * k * r.v_dim_stride] = static_cast<uint8_t>(word >> (8 * (lane % 4)));
-        }
-        if (lane == 0) r.v_scale[scale_at] = __float2bfloat16_rn(scale);
+      reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(is_k ? r.k_cache : r.v_cache) + row)[lane] = e4m3;
+      if (lane == 0) {
+        (is_k ? r.k_scale : r.v_scale)[block * r.scale_block_stride + offset * r.scale_slot_stride +
+                                       kv_head * r.scale_head_stride] = __float2bfloat16_rn(scale);  // (exact)
       }
     } else {
-      __nv_bfloat16* cache = static_cast<__nv_bfloat16*>(is_k ? r.k_cache : r.v_cache) + block * r.block_stride +
-                             offset * (is_k ? r.k_slot_stride : r.v_slot_stride) +
-                             kv_head * (is_k ? r.k_head_stride : r.v_head_stride);
-      *reinterpret_cast<uint2*>(cache + 4 * lane) = packed;
+      reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(is_k ? r.k_cache : r.v_cache) + row)[lane] = packed;
     }
   }
 }

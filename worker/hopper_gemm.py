@@ -67,7 +67,7 @@ class RopeParams(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "positions", "slot_mapping", "cos_cache", "sin_cache", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale",
         "v_scale")] + [(name, ctypes.c_int64) for name in (
-            "block_stride", "k_slot_stride", "k_head_stride", "v_slot_stride", "v_head_stride", "v_dim_stride",
+            "block_stride", "k_slot_stride", "k_head_stride", "v_slot_stride", "v_head_stride",
             "scale_block_stride", "scale_slot_stride", "scale_head_stride")] + [
         ("eps", ctypes.c_float)] + [
         (name, ctypes.c_int) for name in ("num_q_heads", "num_kv_heads", "block_size", "fp8")]
@@ -211,7 +211,7 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, rope: QkvRope, out: torch
         token_tile = rope_token_tile(num_tokens, n // HEAD_DIM, pdl.num_sms(x.device.index or 0))
     views = rope.layout.split(rope.kv_cache)
     key, value = views.key, views.value
-    if key.stride(3) != 1 or key.stride(0) != value.stride(0) or (not rope.layout.fp8 and value.stride(3) != 1):
+    if key.stride(3) != 1 or value.stride(3) != 1 or key.stride(0) != value.stride(0):
         raise ValueError(f"not kv_cache.py's layout: key strides {key.stride()}, value {value.stride()}")
     scale_strides = views.key_scale.stride() if views.key_scale is not None else (0, 0, 0)
 
@@ -222,7 +222,7 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, rope: QkvRope, out: torch
         address(rope.positions), address(rope.slot_mapping), address(rope.cos_cache), address(rope.sin_cache),
         address(rope.q_norm), address(rope.k_norm), key.data_ptr(), value.data_ptr(), address(views.key_scale),
         address(views.value_scale), key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
-        value.stride(3), *scale_strides, rope.eps, rope.num_q_heads, rope.num_kv_heads, rope.layout.block_size,
+        *scale_strides, rope.eps, rope.num_q_heads, rope.num_kv_heads, rope.layout.block_size,
         int(rope.layout.fp8))
     error = ctypes.create_string_buffer(_ERROR_BYTES)
     stream = torch.cuda.current_stream(x.device).cuda_stream

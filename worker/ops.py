@@ -7,8 +7,7 @@ again. On CUDA each op here is one kernel that reads its inputs once:
   add_rms_norm     residual += x (optional), then RMSNorm(residual) * weight
   norm_rope        per-head RMSNorm (Qwen3's q/k norm, optional) then rotary embedding, of q
                    and k in place, one program per token; optionally it then writes the token's
-                   k and v into the paged KV cache (the attention backend's store, fused; a large
-                   step's values into an FP8 cache by groups of 8 tokens, FP8_VALUE_GROUP)
+                   k and v into the paged KV cache (the attention backend's store, fused)
   silu_and_mul     silu(gate) * up from the fused gate|up projection
 
 The torch versions are the reference (and the CPU path); they follow HF's order of operations
@@ -16,8 +15,6 @@ The torch versions are the reference (and the CPU path); they follow HF's order 
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +28,7 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from minivllm.worker.attention.triton_attention import (STORE_KV_STRIDES, normed_rotated_heads, store_kv_args,
-                                                             store_token_kv, store_value_group)
+                                                             store_token_kv)
 except ImportError:  # CPU-only torch builds have no Triton: the torch versions serve
     triton = None
 
@@ -135,7 +132,7 @@ if triton is not None:
                           HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
                           NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                          MIN_SCALE: tl.constexpr, VALUE_GROUP: tl.constexpr, PDL: tl.constexpr):
+                          MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # (worker/pdl.py) positions are a step input: read before waiting
             gdc_launch_dependents()
         token = tl.program_id(0).to(tl.int64)
@@ -164,20 +161,12 @@ if triton is not None:
                      mask=head_valid[:, None] & dim_valid[None, :])
         if STORE_KV:
             tl.debug_barrier()  # the store reads the rotated k just written
-            # An FP8 cache's values go out by groups of tokens (store_value_group), the keys token by token.
             store_token_kv(
                 key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
                 stride_key_token, stride_key_head, stride_value_token, stride_value_head,
                 stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
                 stride_scale_block, stride_scale_slot, stride_scale_head,
-                NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE,
-                VALUE_GROUP == 1)
-            if VALUE_GROUP > 1:
-                store_value_group(
-                    value_ptr, v_cache_ptr, v_scale_ptr, slot_mapping_ptr, token, num_tokens,
-                    stride_value_token, stride_value_head, stride_cache_block, stride_v_slot, stride_v_head,
-                    stride_v_dim, stride_scale_block, stride_scale_slot, stride_scale_head,
-                    NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8_MAX, MIN_SCALE, VALUE_GROUP)
+                NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
@@ -225,17 +214,6 @@ def add_rms_norm(
     return out, (residual if residual is not None else x)
 
 
-# Tokens whose values into an FP8 cache one group of programs stores together (store_value_group),
-# in steps of at least FP8_VALUE_GROUP_MIN_TOKENS tokens; $MINIVLLM_FP8_VALUE_GROUP=1: each program
-# its own token's, for measuring. It pays where consecutive tokens fill one block, as a prompt's do:
-# a 12,288-token prompt step's call 122.3 -> 91.7 us (bf16 cache: 83.6), the 256-request FP8
-# workload's first 12 steps 381.2 -> 374.5 ms. A decode step's tokens each have a block of their own,
-# and its 256 tokens took 8.38 us against 8.25 by groups, so small steps keep a program per token
-# (H100, CUDA graphs of 28 calls; benchmarks/results/2026-11-27-fp8-value-groups/).
-FP8_VALUE_GROUP = int(os.environ.get("MINIVLLM_FP8_VALUE_GROUP", 8))
-FP8_VALUE_GROUP_MIN_TOKENS = 512
-
-
 def norm_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -275,7 +253,6 @@ def norm_rope(
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF_ROT=half_rot,
         HEADS_PADDED=triton.next_power_of_2(num_q_heads), DIM_PADDED=triton.next_power_of_2(head_dim),
         HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
-        VALUE_GROUP=FP8_VALUE_GROUP if store_constants["FP8"] and num_tokens >= FP8_VALUE_GROUP_MIN_TOKENS else 1,
         **store_constants, num_warps=4, **pdl.launch_options(q.device),
     )
     return q, k

@@ -174,10 +174,12 @@ def test_steps_it_leaves_to_triton() -> None:
 
 
 def test_a_bad_layout_is_refused(kernel) -> None:
-    """Views that are not kv_cache.py's FP8 layout are refused with the strides, not read wrongly."""
+    """Views that are not kv_cache.py's FP8 layout are refused with the strides, not read wrongly:
+    here values stored transposed, [head, dim, slot] in a block (the layout before 2026-11-28)."""
     q, cache, layout, plain = fp8_batch([(40, 1)], 2)
     views = layout.split(cache)
-    swapped = views._replace(value=views.key)  # keys' strides where values' are expected
+    value = views.value
+    transposed = value.as_strided(value.shape, (value.stride(0), 1, value.stride(2), layout.block_size))
     with pytest.raises(ValueError, match="FP8 layout"):
-        fp8_decode.decode(q, swapped, layout, dataclasses.replace(plain, kv_layout=layout), 0.1, torch.empty_like(q),
-                          1, None)
+        fp8_decode.decode(q, views._replace(value=transposed), layout, dataclasses.replace(plain, kv_layout=layout),
+                          0.1, torch.empty_like(q), 1, None)

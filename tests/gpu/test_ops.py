@@ -63,21 +63,16 @@ def test_silu_and_mul(dtype) -> None:
     assert rel_error(ops.silu_and_mul(x), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("fp8,grouped", [(False, False), (True, False), (True, True)],
-                         ids=["bf16-cache", "fp8-per-token", "fp8-grouped"])  # (a bf16 cache: per token always)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("kv_heads,tokens,slots_kind", [
     (8, 21, "scattered"), (8, 21, "prompt"), (8, 3, "prompt"), (2, 21, "prompt"), (12, 13, "scattered"),
     (8, 300, "prompt"),
 ])
-def test_norm_rope_stores_kv(fp8, with_norm, kv_heads, tokens, slots_kind, grouped, monkeypatch) -> None:
+def test_norm_rope_stores_kv(fp8, with_norm, kv_heads, tokens, slots_kind) -> None:
     """With kv_store the RoPE kernel writes each token's rotated k and its v into the cache exactly
-    as the attention backend's own store would, skipping padding slots (-1). An FP8 cache's values
-    are stored token by token or (`grouped`, which large steps take) by groups of 8 tokens
-    (ops.FP8_VALUE_GROUP), each head by one of the group's programs: slots scattered or consecutive
-    (a prompt's, from mid-block), a last group of fewer programs than heads, fewer heads than a
-    group and more."""
-    monkeypatch.setattr(ops, "FP8_VALUE_GROUP_MIN_TOKENS", 0 if grouped else 1 << 30)
+    as the attention backend's own store would, skipping padding slots (-1): slots scattered or
+    consecutive (a prompt's, from mid-block)."""
     from minivllm.worker.attention.kv_cache import KVCacheLayout
     from minivllm.worker.attention.triton_attention import store_kv
 
@@ -107,7 +102,7 @@ def test_norm_rope_stores_kv(fp8, with_norm, kv_heads, tokens, slots_kind, group
                                  kv_store=(v, cache, slots, layout))
     # The kernel with the store and the one without are compiled apart, and their rotations may
     # round an element one bfloat16 step apart (with 12 KV heads and an FP8 cache, one element of
-    # one seed in 30 on an H100, before the grouped store as after it). A step of the inputs, not of
+    # one seed in 30 on an H100). A step of the inputs, not of
     # the output: a rotated element near zero comes from two larger ones (x1 cos - x2 sin), so the
     # bound is a bfloat16 step of the largest element, not of each element (once, 2026-11-27, an
     # element failed the per-element bound). A wrong rotation is off by the elements' own size.

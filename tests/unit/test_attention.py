@@ -160,9 +160,8 @@ def test_fp8_quantize_keeps_the_cache_finite() -> None:
 
 
 def test_fp8_block_layout() -> None:
-    """The bytes of an FP8 block are where kv_cache.py says: keys [head, slot, dim], values
-    transposed [head, dim, slot], scales [head, slot] after each block's data; the views index
-    [block, slot, head, dim] either way."""
+    """The bytes of an FP8 block are where kv_cache.py says: keys and values [head, slot, dim],
+    scales [head, slot] after each block's data; the views index [block, slot, head, dim]."""
     block_size, heads, dim, num_blocks = 4, 2, 8, 3
     layout = KVCacheLayout(block_size, heads, dim, torch.float32, fp8=True)
     cache = layout.allocate(num_blocks, torch.device("cpu"))
@@ -174,11 +173,7 @@ def test_fp8_block_layout() -> None:
     for which, x in ((0, k), (1, v)):
         data, scale = quantize(x.view(num_blocks, block_size, heads, dim))
         row = cache[which, :, :data_bytes]
-        if which == 0:
-            expected = data.view(torch.uint8).permute(0, 2, 1, 3).reshape(num_blocks, -1)
-        else:
-            expected = data.view(torch.uint8).permute(0, 2, 3, 1).reshape(num_blocks, -1)
-        assert torch.equal(row, expected)
+        assert torch.equal(row, data.view(torch.uint8).permute(0, 2, 1, 3).reshape(num_blocks, -1))
         scales = cache[which, :, data_bytes:].contiguous().view(torch.bfloat16)
         assert torch.equal(scales.float(), scale.transpose(1, 2).reshape(num_blocks, -1))
     views = layout.split(cache)

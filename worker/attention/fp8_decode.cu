@@ -12,15 +12,17 @@
 // Each warp keeps a ring of kStages shared-memory stages, one cache block each (its K, V and
 // scales for this KV head), filled by cp.async kStages - 1 blocks ahead of the math: with only the
 // next block in flight (operands loaded straight into registers) the kernel waited on its loads and
-// read the cache no faster than Triton's. From its stage a lane reads the operands in the very
-// order the MMA takes them, with no shuffle, because the order of the head dims inside S's sum and
-// the order of the keys inside O's are free:
+// read the cache no faster than Triton's. From its stage a lane reads the operands in an order the
+// MMA can take with no shuffle, because the order of the head dims inside S's sum, the order of
+// the keys inside O's, and which of O^T's rows holds which dim are all free:
 //  - a lane owns 32 bytes of each of its two keys' rows (bytes 16t..16t+15 and 64+16t..64+16t+15,
 //    t = lane % 4), two 16-byte loads per key, and feeds them to the K-steps of S in that order;
 //    the queries are loaded in the same order;
 //  - the 16 keys of a block are taken in an order where a lane's four keys of P^T are 4
-//    consecutive slots (4t..4t+3), so each dim's values for them are one 32-bit word of the
-//    transposed value rows (a head's block stores dim d as 16 bytes, one per slot).
+//    consecutive slots (4t..4t+3), and its rows of V^T (g and g + 8 of each MMA's 16) are dims
+//    16g .. 16g + 15: so it loads those 4 keys' values of its 16 dims (a head's block stores each
+//    key's values as a row, as its keys: kv_cache.py) as four 16-byte pieces, and byte permutes turn
+//    them into one 32-bit word per dim, of the 4 keys' values (value_words).
 // S^T's accumulator holds each lane's scores as [key][query pair]; movmatrix transposes it into
 // P^T's operand, so the probabilities never leave the registers.
 //
@@ -69,11 +71,11 @@ struct Params {
   const void* query;
   int64_t query_stride_token, query_stride_head;  // elements
   const uint8_t* key_cache;  // e4m3, a head's block as [slot][dim] (any slot and head strides)
-  const uint8_t* value_cache;  // e4m3, a head's block as [dim][slot]
+  const uint8_t* value_cache;  // e4m3, a head's block as [slot][dim], one run
   const __nv_bfloat16* key_scale;  // [block, head, slot]
   const __nv_bfloat16* value_scale;
   int64_t stride_block, stride_key_slot, stride_key_head;  // bytes
-  int64_t stride_value_head;  // bytes (a dim's row is kBlockSize bytes)
+  int64_t stride_value_head;  // bytes (a slot's row is kHeadDim bytes)
   int64_t stride_scale_block, stride_scale_head;  // scales (slots are consecutive)
   const int* block_tables;
   int64_t block_table_stride;
@@ -156,6 +158,13 @@ __device__ __forceinline__ int key_chunk_offset(int slot, int chunk) {
   return slot * kHeadDim + ((chunk ^ ((slot & 1) << 2)) << 4);
 }
 
+// Where 16-byte chunk `chunk` (0-7: dims 16 chunk .. 16 chunk + 15) of value slot `slot`'s row sits in a
+// stage: slots 4i .. 4i + 3 move their chunks by 2i, so that the 8 lanes of a quarter-warp (lane
+// groups g = 2j, 2j + 1, each with slots 4t + i, t = 0-3) read 8 different bank groups.
+__device__ __forceinline__ int value_chunk_offset(int slot, int chunk) {
+  return kKeyBytes + slot * kHeadDim + ((chunk ^ (2 * (slot / 4))) << 4);
+}
+
 // The warp copies cache block `block_id` of kv_head into the stage at `stage` (a shared address):
 // each lane 4 chunks of the keys, 4 of the values and, lanes 0-3, one of the scales.
 __device__ __forceinline__ void copy_block(uint32_t stage, const Params& p, int64_t block_id, int kv_head, int lane) {
@@ -165,7 +174,7 @@ __device__ __forceinline__ void copy_block(uint32_t stage, const Params& p, int6
   for (int i = 0; i < 4; ++i) {
     const int chunk = lane + 32 * i, slot = chunk / 8;
     cp_async_16(stage + key_chunk_offset(slot, chunk % 8), keys + slot * p.stride_key_slot + (chunk % 8) * 16);
-    cp_async_16(stage + kKeyBytes + chunk * 16, values + chunk * 16);  // a head's values: one 2 KiB run
+    cp_async_16(stage + value_chunk_offset(slot, chunk % 8), values + chunk * 16);  // a head's values: one 2 KiB run
   }
   if (lane < 4) {
     const __nv_bfloat16* scales = (lane < 2 ? p.key_scale : p.value_scale) + block_id * p.stride_scale_block +
@@ -174,8 +183,29 @@ __device__ __forceinline__ void copy_block(uint32_t stage, const Params& p, int6
   }
 }
 
+// Lane (g, t)'s values of one block as MMA operands: word k holds dim 16g + k of slots 4t .. 4t + 3 (a
+// byte each, slot 4t first). Its four slots' 16-byte pieces of dims 16g .. 16g + 15 are a 4 x 4 grid
+// of words (slot x 4 dims); byte permutes transpose each word column into 4 words (dim x 4 slots).
+__device__ __forceinline__ void value_words(uint32_t (&out)[16], const uint8_t* stage, int g, int t) {
+  uint4 rows[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    rows[i] = *reinterpret_cast<const uint4*>(stage + value_chunk_offset(4 * t + i, g));
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t a = word(rows[0], w), b = word(rows[1], w), c = word(rows[2], w), d = word(rows[3], w);
+    const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);  // a0 b0 a1 b1, a2 b2 a3 b3
+    const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    out[4 * w] = __byte_perm(ab_lo, cd_lo, 0x5410);  // a0 b0 c0 d0: dim 16g + 4w of the 4 slots
+    out[4 * w + 1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+    out[4 * w + 2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+    out[4 * w + 3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+  }
+}
+
 // A lane's operands of one block, read from its stage: its two keys' 32 owned bytes, its 16 words of
-// values (dims 16j + g and 16j + g + 8, slots 4t..4t+3), the two keys' scales.
+// values (word k: dim 16g + k, slots 4t..4t+3; MMA j's rows g and g + 8 are words 2j and 2j + 1), the
+// two keys' scales.
 struct Tile {
   uint4 key0[2], key1[2];
   uint32_t value[16];
@@ -187,12 +217,7 @@ __device__ __forceinline__ void read_tile(Tile& tile, const uint8_t* stage, int 
   tile.key0[1] = *reinterpret_cast<const uint4*>(stage + key_chunk_offset(slot0, 4 + t));
   tile.key1[0] = *reinterpret_cast<const uint4*>(stage + key_chunk_offset(slot1, t));
   tile.key1[1] = *reinterpret_cast<const uint4*>(stage + key_chunk_offset(slot1, 4 + t));
-  const uint8_t* values = stage + kKeyBytes + g * kBlockSize + 4 * t;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    tile.value[2 * j] = *reinterpret_cast<const uint32_t*>(values + 16 * kBlockSize * j);
-    tile.value[2 * j + 1] = *reinterpret_cast<const uint32_t*>(values + 16 * kBlockSize * j + 8 * kBlockSize);
-  }
+  value_words(tile.value, stage, g, t);
   const __nv_bfloat16* scales = reinterpret_cast<const __nv_bfloat16*>(stage + 2 * kKeyBytes);
   tile.key_scale[0] = __bfloat162float(scales[slot0]);
   tile.key_scale[1] = __bfloat162float(scales[slot1]);
@@ -201,7 +226,7 @@ __device__ __forceinline__ void read_tile(Tile& tile, const uint8_t* stage, int 
 }
 
 struct SoftmaxState {
-  float acc[8][4];  // O^T in units of 1/ref: [dims 16j + g, 16j + g + 8] x [queries 2t, 2t + 1]
+  float acc[8][4];  // O^T in units of 1/ref: [dims 16g + 2j, 16g + 2j + 1] x [queries 2t, 2t + 1]
   float max[2];  // running max of queries 2t, 2t + 1 (base-2 units), the same in every lane
   float sum[2];  // this lane's share of their sums of probabilities
   float ref;  // the largest value scale so far
@@ -385,10 +410,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_decode_kernel(const 
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    shared_acc[warp][2 * t][16 * j + g] = st.acc[j][0] * st.ref;
-    shared_acc[warp][2 * t + 1][16 * j + g] = st.acc[j][1] * st.ref;
-    shared_acc[warp][2 * t][16 * j + g + 8] = st.acc[j][2] * st.ref;
-    shared_acc[warp][2 * t + 1][16 * j + g + 8] = st.acc[j][3] * st.ref;
+    shared_acc[warp][2 * t][16 * g + 2 * j] = st.acc[j][0] * st.ref;
+    shared_acc[warp][2 * t + 1][16 * g + 2 * j] = st.acc[j][1] * st.ref;
+    shared_acc[warp][2 * t][16 * g + 2 * j + 1] = st.acc[j][2] * st.ref;
+    shared_acc[warp][2 * t + 1][16 * g + 2 * j + 1] = st.acc[j][3] * st.ref;
   }
   __syncthreads();
   const int dim = threadIdx.x;

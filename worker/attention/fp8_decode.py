@@ -94,7 +94,7 @@ def _check_views(views: KVCacheViews) -> None:
     block_bytes = key.stride(0)
     # (16-byte copies: key rows, a head's value run and its 16 scales start on 16-byte boundaries)
     if (key.stride(3) != 1 or any(x % 16 for x in key.stride()[:3]) or value.stride(0) != block_bytes
-            or value.stride(1) != 1 or value.stride(3) != BLOCK_SIZE or value.stride(2) % 16
+            or value.stride(3) != 1 or value.stride(1) != HEAD_DIM or value.stride(2) % 16
             or key_scale.dtype != torch.bfloat16 or key_scale.stride() != value_scale.stride()
             or key_scale.stride(1) != 1 or key_scale.stride(0) % 8 or key_scale.stride(2) % 8):
         raise ValueError(f"not kv_cache.py's FP8 layout: key strides {key.stride()}, value {value.stride()}, "

@@ -13,15 +13,17 @@ less time so, the CUDA decode kernel ~1% (H100, benchmarks/results/2026-11-27-ho
 keeps its data and then its scales in one uint8 row:
     kv_cache[2, num_blocks, block_bytes], block_bytes = block_size * num_kv_heads * (head_dim + 2)
     K row = [num_kv_heads, block_size, head_dim] e4m3 | [num_kv_heads, block_size] bfloat16 scales
-    V row = [num_kv_heads, head_dim, block_size] e4m3 | [num_kv_heads, block_size] bfloat16 scales
+    V row = [num_kv_heads, block_size, head_dim] e4m3 | [num_kv_heads, block_size] bfloat16 scales
 Everything is stored head by head, so that one head's share of a block (what one attention program
 reads) is one run of bytes: 2 KiB of keys and 2 KiB of values at head_dim 128 and blocks of 16 (with
 keys [block_size, num_kv_heads, head_dim], as the plain cache has them, the decode kernels read
-FP8 caches 1.5% slower). Values are stored transposed (a head's block is head_dim rows of block_size
-consecutive tokens), because that is how the attention kernels consume them: the P.V product needs
-consecutive keys side by side, and 8-bit data, unlike 16-bit, cannot be transposed on its way
-from shared memory to the tensor cores (with values stored like keys the decode kernel loaded them
-byte by byte). `split` hides this: its views are indexed [block, slot, head, dim] either way.
+FP8 caches 1.5% slower). A token's values are one row, as its keys are. The P.V product needs
+each dim's values for consecutive keys side by side, which the CUDA decode kernel makes from four
+keys' rows in registers (fp8_decode.cu) and Triton's kernels in their own layouts. Values used to be
+stored transposed ([num_kv_heads, head_dim, block_size]) for that; then a decode step's value store
+wrote one byte into each of 128 rows a token, and the attention kernel after it ran ~3 us a layer
+longer (H100, 256 sequences: benchmarks/results/2026-11-28-rope-passes/). `split` gives views
+indexed [block, slot, head, dim] whatever the order.
 Stored vectors never hold NaN or infinity (they are replaced by 0 and clamped to +-FINITE_MAX first),
 so a kernel may read a whole block's slots, written or not, and zero the unused ones by their
 weights.
@@ -99,7 +101,7 @@ class KVCacheLayout:
         num_blocks, size, heads, dim = kv_cache.shape[1], self.block_size, self.num_kv_heads, self.head_dim
         data = kv_cache[:, :, : size * heads * dim].view(FP8_DTYPE)
         key = data[0].view(num_blocks, heads, size, dim).permute(0, 2, 1, 3)
-        value = data[1].view(num_blocks, heads, dim, size).permute(0, 3, 1, 2)
+        value = data[1].view(num_blocks, heads, size, dim).permute(0, 2, 1, 3)
         scales = kv_cache[:, :, size * heads * dim :].view(SCALE_DTYPE).view(2, num_blocks, heads, size).transpose(2, 3)
         return KVCacheViews(key, value, scales[0], scales[1])
 

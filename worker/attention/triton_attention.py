@@ -41,10 +41,10 @@ H100, that one at ~2.6-2.7).
 
 An FP8 cache (kv_cache.py) is read as e4m3 and widened to float16 for the dots; each key's scale
 multiplies its column of scores and each value's scale the column of probabilities that weighs it,
-so nothing is dequantized in full. Its values are stored transposed (keys along a row), the
-orientation the P.V product takes them in. Tiles load whole blocks where a mask along the slots
-would cost the loads their width; the slots past a sequence's end then weigh 0, and an FP8 cache
-holds finite values only, so they add nothing.
+so nothing is dequantized in full. A key's values are one row of the cache, as its keys are
+(kv_cache.py). Score tiles load whole blocks' scales where a mask along the slots would cost the
+loads their width; the slots past a sequence's end then weigh 0, and an FP8 cache holds finite
+values only, so they add nothing.
 
 Tile offsets are computed from tl.arange (_tile_slots) wherever blocks tile a tile, so that the
 compiler sees runs of BLOCK_SIZE consecutive slots: with the offsets computed from key positions,
@@ -82,14 +82,11 @@ def store_token_kv(
     stride_scale_block, stride_scale_slot, stride_scale_head,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-    STORE_VALUES: tl.constexpr,
 ):
     """Write one token's keys and values (every KV head) to its slot (slot -1: a padding row, none);
     for an FP8 cache, each head's vector as e4m3 plus its scale, amax / FP8_MAX, NaN stored as 0 and
     infinities clamped (kv_cache.py: the kernels may read unwritten slots). The body of
-    _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py), which
-    stores an FP8 cache's values by groups of tokens instead (STORE_VALUES False:
-    store_value_group)."""
+    _store_kv_kernel, and of the RoPE kernel that stores as it rotates (worker/ops.py)."""
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, KV_HEADS_PADDED)
     dims = tl.arange(0, HEAD_DIM_PADDED)
@@ -97,15 +94,10 @@ def store_token_kv(
     dim_valid = dims < HEAD_DIM
     mask = head_valid[:, None] & dim_valid[None, :]
     k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
-    if STORE_VALUES:
-        v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
-                    mask=mask)
-    else:
-        v = k  # unused
+    v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
     write_kv_heads(k, v, heads, head_valid, dims, dim_valid, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
-                   stride_scale_block, stride_scale_slot, stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE,
-                   STORE_VALUES)
+                   stride_scale_block, stride_scale_slot, stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
 
 @triton.jit
@@ -114,11 +106,10 @@ def write_kv_heads(
     stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-    STORE_VALUES: tl.constexpr,
 ):
     """Write one token's tiles k, v [len(heads), len(dims)] (head_valid, dim_valid: which rows and
     columns are real) to cache slot `slot` (-1: a padding row, nothing); for an FP8 cache each
-    head's vector as e4m3 plus its scale. STORE_VALUES False: the keys only."""
+    head's vector as e4m3 plus its scale."""
     # A padding row writes nothing (a mask rather than an early return: this body is inlined
     # into other kernels).
     slot_valid = slot >= 0
@@ -131,12 +122,10 @@ def write_kv_heads(
         scale_offs = block * stride_scale_block + offset * stride_scale_slot + heads * stride_scale_head
         k, k_scale = quantize_rows(k, FP8_MAX, MIN_SCALE)
         tl.store(k_scale_ptr + scale_offs, k_scale, mask=head_valid & slot_valid)
-        if STORE_VALUES:
-            v, v_scale = quantize_rows(v, FP8_MAX, MIN_SCALE)
-            tl.store(v_scale_ptr + scale_offs, v_scale, mask=head_valid & slot_valid)
+        v, v_scale = quantize_rows(v, FP8_MAX, MIN_SCALE)
+        tl.store(v_scale_ptr + scale_offs, v_scale, mask=head_valid & slot_valid)
     tl.store(k_cache_ptr + k_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
-    if STORE_VALUES:
-        tl.store(v_cache_ptr + v_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
+    tl.store(v_cache_ptr + v_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask & slot_valid)
 
 
 # kv_cache.FINITE_MAX, as a constant the kernels can read.
@@ -154,47 +143,6 @@ def quantize_rows(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), MIN_SCALE)
     scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
     return x / scale[:, None], scale
-
-
-@triton.jit
-def store_value_group(
-    value_ptr, v_cache_ptr, v_scale_ptr, slot_mapping_ptr, program, num_tokens,
-    stride_value_token, stride_value_head, stride_cache_block, stride_v_slot, stride_v_head, stride_v_dim,
-    stride_scale_block, stride_scale_slot, stride_scale_head,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, GROUP: tl.constexpr,
-):
-    """Program `program`'s share of writing this step's values into an FP8 cache, for kernels with
-    one program per token (num_tokens of them): the tokens of its group of GROUP (program // GROUP),
-    each KV head by one of the group's programs. An FP8 cache stores values transposed (kv_cache.py):
-    a token's values are head_dim bytes, block_size bytes apart, so a program storing one token
-    sent each byte to a row of its own. Here the lanes of a warp run along the
-    group's tokens, whose slots in a prompt are consecutive, and a row's bytes for the group go out
-    together. Slot -1 (a padding row) writes nothing."""
-    group_start = (program // GROUP) * GROUP
-    # The last group may have fewer programs than GROUP: its programs share its heads out between them.
-    group_programs = tl.minimum(num_tokens - group_start, GROUP)
-    tokens = group_start + tl.arange(0, GROUP)
-    token_valid = tokens < num_tokens
-    slots = tl.load(slot_mapping_ptr + tokens, mask=token_valid, other=-1).to(tl.int64)
-    slot_valid = slots >= 0
-    block = slots // BLOCK_SIZE
-    offset = slots % BLOCK_SIZE
-    dims = tl.arange(0, HEAD_DIM_PADDED)
-    dim_valid = dims < HEAD_DIM
-    for head in range(program - group_start, NUM_KV_HEADS, group_programs):
-        v = tl.load(value_ptr + tokens[:, None].to(tl.int64) * stride_value_token + head * stride_value_head
-                    + dims[None, :], mask=token_valid[:, None] & dim_valid[None, :], other=0.0)
-        v, v_scale = quantize_rows(v, FP8_MAX, MIN_SCALE)
-        tl.store(v_scale_ptr + block * stride_scale_block + offset * stride_scale_slot + head * stride_scale_head,
-                 v_scale, mask=slot_valid)
-        # [dims, tokens], the tokens last: offsets computed from loaded slots show the compiler no
-        # contiguous axis, and it lays the lanes along the last one (a prompt step's call ran 25%
-        # faster so; benchmarks/results/2026-11-27-fp8-value-groups/).
-        v_offs = (block * stride_cache_block + offset * stride_v_slot + head * stride_v_head)[None, :] \
-            + dims[:, None] * stride_v_dim
-        tl.store(v_cache_ptr + v_offs, tl.trans(v).to(v_cache_ptr.dtype.element_ty),
-                 mask=dim_valid[:, None] & slot_valid[None, :])
 
 
 @triton.jit
@@ -244,7 +192,7 @@ def _store_kv_kernel(
         tl.program_id(0).to(tl.int64), stride_key_token, stride_key_head, stride_value_token, stride_value_head,
         stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
         stride_scale_block, stride_scale_slot, stride_scale_head,
-        NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE, True)
+        NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
 
 @triton.jit
@@ -275,70 +223,28 @@ def _tile_slots(key_start, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _fp8_value_tile(
-    v_cache_ptr, block_table, key_start, num_keys, kv_head, stride_cache_block, stride_v_slot, stride_v_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """The values [BLOCK_N, HEAD_DIM_PADDED] (e4m3) of keys [key_start, key_start + BLOCK_N) from an
-    FP8 cache, BLOCK_N a multiple of BLOCK_SIZE. Values are stored transposed (kv_cache.py): a
-    head's block is HEAD_DIM rows of BLOCK_SIZE consecutive tokens, so the tile is one contiguous
-    run of HEAD_DIM * BLOCK_SIZE bytes per block, and it is loaded as such runs (the launcher checks
-    the rows are adjacent), consecutive threads reading consecutive bytes. (Loaded as [dim, key],
-    the compiler gave consecutive threads the same row of consecutive blocks: each thread's 16
-    bytes were half a 32-byte sector, every sector was fetched twice, and the decode kernel stopped
-    at 2.2 TB/s.) MASKED: only blocks holding keys below num_keys are read; the rest read as 0."""
-    BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
-    block_index = key_start // BLOCK_SIZE + tl.arange(0, BLOCKS)
-    offs_run = tl.arange(0, HEAD_DIM_PADDED * BLOCK_SIZE)  # (dim, slot) of a block's values
-    if MASKED:
-        valid = block_index * BLOCK_SIZE < num_keys
-        block_ids = tl.load(block_table + block_index, mask=valid, other=0).to(tl.int64)
-    else:
-        block_ids = tl.load(block_table + block_index).to(tl.int64)
-    ptrs = v_cache_ptr + (block_ids * stride_cache_block + kv_head * stride_v_head)[:, None] \
-        + offs_run[None, :] * stride_v_slot
-    if MASKED:
-        v = tl.load(ptrs, mask=valid[:, None] & (offs_run < HEAD_DIM * BLOCK_SIZE)[None, :], other=0.0)
-    elif HEAD_DIM == HEAD_DIM_PADDED:
-        v = tl.load(ptrs)
-    else:
-        v = tl.load(ptrs, mask=(offs_run < HEAD_DIM * BLOCK_SIZE)[None, :], other=0.0)
-    v = tl.permute(tl.reshape(v, (BLOCKS, HEAD_DIM_PADDED, BLOCK_SIZE)), (0, 2, 1))
-    return tl.reshape(v, (BLOCK_N, HEAD_DIM_PADDED))
-
-
-@triton.jit
 def _fp8_values_product(
-    p, v_cache_ptr, v_scale_ptr, block_table, key_start, num_keys, block_base, slot, kv_head, scale_cols, offs_d,
-    n_valid, block_valid, stride_cache_block, stride_v_slot, stride_v_head, stride_v_dim,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, IEEE_FP32: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
+    stride_v_slot, stride_v_head, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    IEEE_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """p [rows, BLOCK_N] times the tile's values of an FP8 cache, which are stored transposed
-    (kv_cache.py; read block by block where blocks tile the tile: _fp8_value_tile). Each value's
-    scale goes on its column of p, relative to the tile's largest, which multiplies the product (a
-    scale folded into p whole could underflow float16). MASKED: whole blocks are loaded
-    (block_valid) and keys past the end (not n_valid) weigh 0."""
+    """p [rows, BLOCK_N] times the tile's values of an FP8 cache (a key's values are one row, as its
+    keys are: kv_cache.py). Each value's scale goes on its column of p, relative to the tile's
+    largest, which multiplies the product (a scale folded into p whole could underflow float16).
+    MASKED: keys past the end (not n_valid) weigh 0 and are not read."""
     if MASKED:
         v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid).to(tl.float32), 0.0)
     else:
         v_scale = tl.load(v_scale_ptr + scale_cols).to(tl.float32)
     v_scale_max = tl.max(v_scale, axis=0)
     p = p * (v_scale / v_scale_max)[None, :]
-    if BLOCK_N % BLOCK_SIZE == 0:
-        v = _fp8_value_tile(v_cache_ptr, block_table, key_start, num_keys, kv_head, stride_cache_block, stride_v_slot,
-                            stride_v_head, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, MASKED)
-    else:  # a tile inside one block: [dim, key], keys along the rows
-        v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[None, :] \
-            + offs_d[:, None] * stride_v_dim
-        if MASKED:
-            v_t = tl.load(v_ptrs, mask=block_valid[None, :] & (offs_d[:, None] < HEAD_DIM))
-        elif HEAD_DIM == HEAD_DIM_PADDED:
-            v_t = tl.load(v_ptrs)
-        else:
-            v_t = tl.load(v_ptrs, mask=offs_d[:, None] < HEAD_DIM)
-        v = tl.trans(v_t)
+    v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] + offs_d[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PADDED:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     if IEEE_FP32:
         return tl.dot(p, v.to(tl.float32), input_precision="ieee") * v_scale_max
     return tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE)) * v_scale_max
@@ -451,9 +357,9 @@ def _attend_key_tile(
     p, alpha, l_i, m_new = _softmax_step(scores, m_i, l_i, scale_log2e, visible, MASKED)
     if FP8:
         pv = _fp8_values_product(
-            p, v_cache_ptr, v_scale_ptr, block_table, key_start, num_keys, block_base, slot, kv_head, scale_cols,
-            offs_d, n_valid if MASKED else None, block_valid if MASKED else None, stride_cache_block, stride_v_slot,
-            stride_v_head, stride_v_dim, HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
+            p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d,
+            n_valid if MASKED else None, block_valid if MASKED else None, stride_v_slot, stride_v_head,
+            HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype)
         return acc * alpha[:, None] + pv, l_i, m_new
     v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] \
         + offs_d[None, :] * stride_v_dim
@@ -866,7 +772,7 @@ def _paged_decode_kernel(
                            tl.load(slot_mapping_ptr + row).to(tl.int64), k_cache_ptr, v_cache_ptr,
                            k_scale_ptr, v_scale_ptr, stride_cache_block, stride_k_slot, stride_k_head,
                            stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block, stride_scale_slot,
-                           stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE, True)
+                           stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
         tl.debug_barrier()  # the keys read below include the one just written
     else:
         q = tl.load(query_ptr + row.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head
@@ -905,9 +811,8 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
             acc = acc * alpha[:, None] + _fp8_values_product(
-                p, v_cache_ptr, v_scale_ptr, block_table, key_start, key_hi, block_base, slot, kv_head, scale_cols,
-                offs_d, n_valid, block_valid, stride_cache_block, stride_v_slot, stride_v_head, stride_v_dim,
-                HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
+                p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
+                stride_v_slot, stride_v_head, HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype)
         else:
             v = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None]
                         + offs_d[None, :] * stride_v_dim, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
@@ -991,13 +896,11 @@ def _scales(views: KVCacheViews) -> tuple[torch.Tensor, torch.Tensor]:
 
 def cache_strides(views: KVCacheViews) -> tuple[int, ...]:
     """The kernels' cache strides, in elements: (block, key slot, key head, value slot, value
-    head, value dim, scale block, scale slot, scale head). A key's dims are contiguous; a value's
-    are in a plain cache, and an FP8 one stores values transposed (kv_cache.py). K and V (and
-    their scales) share the block stride: they are rows of one tensor."""
+    head, value dim, scale block, scale slot, scale head). A key's dims are contiguous, and so are
+    a value's (kv_cache.py). K and V (and their scales) share the block stride: they are rows of one
+    tensor."""
     key, value = views.key, views.value
-    assert key.stride(3) == 1 and key.stride(0) == value.stride(0)
-    if views.key_scale is not None:  # a head's values in a block are one run (_fp8_value_tile reads them so)
-        assert value.stride(3) == value.shape[1] * value.stride(1), "FP8 values must be [head, dim, slot] in a block"
+    assert key.stride(3) == 1 and value.stride(3) == 1 and key.stride(0) == value.stride(0)
     scale = (0, 0, 0) if views.key_scale is None else views.key_scale.stride()
     return (key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2), value.stride(3), *scale)
 
@@ -1106,9 +1009,10 @@ def decode_config(num_seqs: int, fp8: bool) -> DecodeConfig:
 
 # Most splits for contexts of up to DECODE_LONG_CONTEXT keys (benchmarks/decode_splits.py).
 SHORT_CONTEXT_MAX_SPLITS = 8
-# FP8: since values are read as whole runs (_fp8_value_tile), 64-key tiles on 2 warps: the 256-request
-# workload 33,478 / 33,696 output tok/s against 32,998 / 32,995 for (128 keys, 4 warps, 2 stages,
-# 128 registers), alternating on one H100 (benchmarks/results/2026-11-26-h100-fp8-values/).
+# FP8: 64-key tiles on 2 warps: the 256-request workload 33,478 / 33,696 output tok/s against 32,998 /
+# 32,995 for (128 keys, 4 warps, 2 stages, 128 registers), alternating on one H100, when values were
+# stored transposed and read as whole runs (benchmarks/results/2026-11-26-h100-fp8-values/); steps
+# that large now go to fp8_decode.cu, and this kernel takes the FP8 steps of fewer sequences.
 DECODE_FP8 = DecodeConfig(block_n=64, num_warps=2, num_stages=3)
 
 
