@@ -223,28 +223,61 @@ def _tile_slots(key_start, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _fp8_value_runs(
+    v_cache_ptr, block_table, key_start, num_keys, kv_head, stride_cache_block, stride_v_head,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    """The values [BLOCK_N, HEAD_DIM] (e4m3) of keys [key_start, key_start + BLOCK_N) from an FP8
+    cache, BLOCK_N a multiple of BLOCK_SIZE: a head's values in a block are one run of BLOCK_SIZE
+    rows of HEAD_DIM bytes (kv_cache.py), loaded as such runs, consecutive threads reading consecutive
+    bytes. (Loaded as [key, dim] rows, the compiler gave each thread 8-byte copies, the keys' 16.)
+    MASKED: only blocks holding keys below num_keys are read; the rest read as 0."""
+    BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    block_index = key_start // BLOCK_SIZE + tl.arange(0, BLOCKS)
+    offs_run = tl.arange(0, BLOCK_SIZE * HEAD_DIM)  # (slot, dim) of a block's values
+    if MASKED:
+        valid = block_index * BLOCK_SIZE < num_keys
+        block_ids = tl.load(block_table + block_index, mask=valid, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(block_table + block_index).to(tl.int64)
+    ptrs = v_cache_ptr + (block_ids * stride_cache_block + kv_head * stride_v_head)[:, None] + offs_run[None, :]
+    if MASKED:
+        v = tl.load(ptrs, mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(ptrs)
+    return tl.reshape(v, (BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
 def _fp8_values_product(
-    p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
-    stride_v_slot, stride_v_head, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
-    IEEE_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    p, v_cache_ptr, v_scale_ptr, block_table, key_start, num_keys, block_base, slot, kv_head, scale_cols, offs_d,
+    n_valid, block_valid, stride_cache_block, stride_v_slot, stride_v_head, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, IEEE_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """p [rows, BLOCK_N] times the tile's values of an FP8 cache (a key's values are one row, as its
-    keys are: kv_cache.py). Each value's scale goes on its column of p, relative to the tile's
-    largest, which multiplies the product (a scale folded into p whole could underflow float16).
-    MASKED: keys past the end (not n_valid) weigh 0 and are not read."""
+    keys are: kv_cache.py; read block by block where blocks tile the tile and rows are unpadded:
+    _fp8_value_runs). Each value's scale goes on its column of p, relative to the tile's largest,
+    which multiplies the product (a scale folded into p whole could underflow float16). MASKED: keys
+    past the end (not n_valid) weigh 0."""
     if MASKED:
         v_scale = tl.where(n_valid, tl.load(v_scale_ptr + scale_cols, mask=block_valid).to(tl.float32), 0.0)
     else:
         v_scale = tl.load(v_scale_ptr + scale_cols).to(tl.float32)
     v_scale_max = tl.max(v_scale, axis=0)
     p = p * (v_scale / v_scale_max)[None, :]
-    v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] + offs_d[None, :]
-    if MASKED:
-        v = tl.load(v_ptrs, mask=n_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif HEAD_DIM == HEAD_DIM_PADDED:
-        v = tl.load(v_ptrs)
+    if BLOCK_N % BLOCK_SIZE == 0 and HEAD_DIM == HEAD_DIM_PADDED:
+        v = _fp8_value_runs(v_cache_ptr, block_table, key_start, num_keys, kv_head, stride_cache_block, stride_v_head,
+                            HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASKED)
     else:
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] \
+            + offs_d[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PADDED:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     if IEEE_FP32:
         return tl.dot(p, v.to(tl.float32), input_precision="ieee") * v_scale_max
     return tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE)) * v_scale_max
@@ -357,9 +390,9 @@ def _attend_key_tile(
     p, alpha, l_i, m_new = _softmax_step(scores, m_i, l_i, scale_log2e, visible, MASKED)
     if FP8:
         pv = _fp8_values_product(
-            p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d,
-            n_valid if MASKED else None, block_valid if MASKED else None, stride_v_slot, stride_v_head,
-            HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype)
+            p, v_cache_ptr, v_scale_ptr, block_table, key_start, num_keys, block_base, slot, kv_head, scale_cols,
+            offs_d, n_valid if MASKED else None, block_valid if MASKED else None, stride_cache_block, stride_v_slot,
+            stride_v_head, HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
         return acc * alpha[:, None] + pv, l_i, m_new
     v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] \
         + offs_d[None, :] * stride_v_dim
@@ -811,8 +844,9 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
             acc = acc * alpha[:, None] + _fp8_values_product(
-                p, v_cache_ptr, v_scale_ptr, block_base, slot, kv_head, scale_cols, offs_d, n_valid, block_valid,
-                stride_v_slot, stride_v_head, HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype)
+                p, v_cache_ptr, v_scale_ptr, block_table, key_start, key_hi, block_base, slot, kv_head, scale_cols,
+                offs_d, n_valid, block_valid, stride_cache_block, stride_v_slot, stride_v_head,
+                HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
         else:
             v = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None]
                         + offs_d[None, :] * stride_v_dim, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
@@ -901,6 +935,8 @@ def cache_strides(views: KVCacheViews) -> tuple[int, ...]:
     tensor."""
     key, value = views.key, views.value
     assert key.stride(3) == 1 and value.stride(3) == 1 and key.stride(0) == value.stride(0)
+    if views.key_scale is not None:  # a head's values in a block are one run (_fp8_value_runs reads them so)
+        assert value.stride(1) == value.shape[3], "FP8 values must be [head, slot, dim] in a block"
     scale = (0, 0, 0) if views.key_scale is None else views.key_scale.stride()
     return (key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2), value.stride(3), *scale)
 
@@ -1009,10 +1045,11 @@ def decode_config(num_seqs: int, fp8: bool) -> DecodeConfig:
 
 # Most splits for contexts of up to DECODE_LONG_CONTEXT keys (benchmarks/decode_splits.py).
 SHORT_CONTEXT_MAX_SPLITS = 8
-# FP8: 64-key tiles on 2 warps: the 256-request workload 33,478 / 33,696 output tok/s against 32,998 /
-# 32,995 for (128 keys, 4 warps, 2 stages, 128 registers), alternating on one H100, when values were
-# stored transposed and read as whole runs (benchmarks/results/2026-11-26-h100-fp8-values/); steps
-# that large now go to fp8_decode.cu, and this kernel takes the FP8 steps of fewer sequences.
+# FP8: since values are read as whole runs (_fp8_value_runs), 64-key tiles on 2 warps: the 256-request
+# workload 33,478 / 33,696 output tok/s against 32,998 / 32,995 for (128 keys, 4 warps, 2 stages,
+# 128 registers), alternating on one H100 (benchmarks/results/2026-11-26-h100-fp8-values/, values
+# then stored transposed, also as one run a head). Steps that large now go to fp8_decode.cu; this
+# kernel takes the FP8 steps of fewer sequences.
 DECODE_FP8 = DecodeConfig(block_n=64, num_warps=2, num_stages=3)
 
 
