@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
-import shutil
 import sys
 
 import torch
@@ -34,11 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.graph_timing import graph_time_us
 from benchmarks.qkv_attention_overlap_probe import LAYERS, DecodeLayers
+from benchmarks.step_timeline_probe import built_text, edited_text
 from benchmarks.tune_attention import CASES, HEAD_DIM, build_step
-from minivllm.protocol.config import cache_root
 from minivllm.worker import hopper_gemm
 from minivllm.worker.attention import fp8_decode, triton_attention
-from minivllm.worker.attention.cuda_build import compile_library, find_nvcc
 
 # A store that is never made: the condition is false at run time, which the compiler cannot know.
 NEVER = "if (r.block_size < 0) "
@@ -75,41 +72,18 @@ WRITE_BACK = """  if (my_blocks > 0 && first + kWarps * (my_blocks - 1) == num_b
   }
 """
 ATTENTION_VARIANTS: dict[str, list[tuple[str, str]]] = {"as built": [], "write back": [(LOOP_END, LOOP_END + WRITE_BACK)]}
-
-
-def build(text: str, name: str = "hopper_gemm.cu", load=hopper_gemm.load_library) -> ctypes.CDLL:
-    """A kernel source's text (hopper_gemm.cu's, or `name`'s) built once per machine beside
-    hopper_gemm.cu's header, and loaded with `load`."""
-    directory = os.path.join(str(cache_root()), "kernels", "rope-epilogue-probe",
-                             hashlib.sha1(text.encode()).hexdigest()[:12])
-    target = os.path.join(directory, name.replace(".cu", ".so"))
-    if not os.path.exists(target):
-        os.makedirs(directory, exist_ok=True)
-        shutil.copy(os.path.join(os.path.dirname(hopper_gemm.SOURCE), "hopper_ptx.cuh"), directory)
-        with open(os.path.join(directory, name), "w") as f:
-            f.write(text)
-        compile_library(find_nvcc(), os.path.join(directory, name), target + ".tmp")
-        os.replace(target + ".tmp", target)
-    return load(target)
-
-
-def variant_text(edits: list[tuple[str, str]], source: str = hopper_gemm.SOURCE) -> str:
-    with open(source) as f:
-        text = f.read()
-    for old, new in edits:
-        assert text.count(old) == 1, f"{os.path.basename(source)} changed; the probe's edit no longer applies: {old!r}"
-        text = text.replace(old, new)
-    return text
+BUILD_TAG = "rope-epilogue-probe"  # (the builds' folder under $MINIVLLM_CACHE/kernels)
 
 
 def variant_libraries(spec: str) -> tuple[ctypes.CDLL, ctypes.CDLL | None]:
     """'GEMM variant[+GEMM variant...][@attention variant]' -> (hopper_gemm, fp8_decode or None: the engine's)."""
     gemm, _, attention = spec.partition("@")
-    gemm_lib = build(variant_text([edit for name in gemm.split("+") for edit in VARIANTS[name]]))
+    gemm_text = edited_text(hopper_gemm.SOURCE, [edit for name in gemm.split("+") for edit in VARIANTS[name]])
+    gemm_lib = built_text(gemm_text, "hopper_gemm.cu", hopper_gemm.load_library, BUILD_TAG)
     if not attention or attention == "as built":
         return gemm_lib, None
-    return gemm_lib, build(variant_text(ATTENTION_VARIANTS[attention], fp8_decode.SOURCE), "fp8_decode.cu",
-                           fp8_decode.load_library)
+    attention_text = edited_text(fp8_decode.SOURCE, ATTENTION_VARIANTS[attention])
+    return gemm_lib, built_text(attention_text, "fp8_decode.cu", fp8_decode.load_library, BUILD_TAG)
 
 
 def main() -> None:

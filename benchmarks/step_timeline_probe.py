@@ -155,26 +155,35 @@ def prefetch_library() -> ctypes.CDLL:
     return lib
 
 
-def timed_build(source: str, edits: list[tuple[str, str]], loader) -> ctypes.CDLL:
-    """source with `edits`, built once per machine beside its includes, loaded by `loader`."""
+def edited_text(source: str, edits: list[tuple[str, str]]) -> str:
+    """source's text with `edits` (each must occur once)."""
     with open(source) as f:
         text = f.read()
     for old, new in edits:
         assert text.count(old) == 1, f"{os.path.basename(source)} changed; the probe's edit no longer applies: {old!r}"
         text = text.replace(old, new)
-    directory = os.path.join(str(cache_root()), "kernels", "step-timeline-probe",
-                             hashlib.sha1(text.encode()).hexdigest()[:12])
-    name = os.path.basename(source)
+    return text
+
+
+def built_text(text: str, name: str, loader, tag: str) -> ctypes.CDLL:
+    """A kernel source's text (file name `name`) built once per machine under
+    $MINIVLLM_CACHE/kernels/tag/, beside hopper_gemm.cu's header, and loaded by `loader`."""
+    directory = os.path.join(str(cache_root()), "kernels", tag, hashlib.sha1(text.encode()).hexdigest()[:12])
     target = os.path.join(directory, name.replace(".cu", ".so"))
     if not os.path.exists(target):
         os.makedirs(directory, exist_ok=True)
-        if '#include "hopper_ptx.cuh"' in text:  # (from the engine's tree: source may be a copy elsewhere)
+        if '#include "hopper_ptx.cuh"' in text:  # (from the engine's tree: the source may be a copy elsewhere)
             shutil.copy(os.path.join(os.path.dirname(hopper_gemm.SOURCE), "hopper_ptx.cuh"), directory)
         with open(os.path.join(directory, name), "w") as f:
             f.write(text)
         compile_library(find_nvcc(), os.path.join(directory, name), target + ".tmp")
         os.replace(target + ".tmp", target)
-    lib = loader(target)
+    return loader(target)
+
+
+def timed_build(source: str, edits: list[tuple[str, str]], loader) -> ctypes.CDLL:
+    """source with `edits`, built once per machine beside its includes, loaded by `loader`."""
+    lib = built_text(edited_text(source, edits), os.path.basename(source), loader, "step-timeline-probe")
     lib.minivllm_read_timeline.argtypes = [ctypes.c_void_p]
     lib.minivllm_read_timeline.restype = ctypes.c_int
     return lib
