@@ -55,13 +55,14 @@ constexpr int kSharedBytes = kWarps * kStages * kStageBytes;
 static_assert(kStages >= 2, "a ring needs a stage in flight");
 static_assert(kThreads == kHeadDim, "the merge gives each thread one dim of the output");
 constexpr int kMaxGroup = 8;  // queries per KV head: the MMA's narrow side
-// The first wave's stagger. A sequence's KV heads are neighbouring CTAs that read the same cache
-// blocks' slices. Inside a decode step the first wave's 528 CTAs all start as the qkv GEMM's CTAs
-// leave and run in step, and that wave took ~4 us longer than in a chain of decode kernels (whose
-// first wave starts a CTA at a time as the kernel before drains). Delaying head h's loop by h us
-// (of 8) made the step's kernel 1-2.6 us a layer faster, and the 256-request FP8 workload ~0.5%
-// (H100; benchmarks/results/2026-11-28-qkv-overlap/). Walking each head's blocks from its own
-// offset instead, to keep the heads apart without idling, was slower.
+// The first wave's stagger. Inside a decode step the first wave's 528 CTAs all start as the qkv
+// GEMM's CTAs leave and run in step, and that wave took ~4 us longer than in a chain of decode
+// kernels (whose first wave starts a CTA at a time as the kernel before drains). Delaying head h's
+// loop by h us (of 8) made the step's kernel 1-2.6 us a layer faster, and the 256-request FP8
+// workload ~0.5% (H100; benchmarks/results/2026-11-28-qkv-overlap/). Walking each head's blocks
+// from its own offset instead, to keep the heads apart without idling, was slower. Staggering by
+// sequence (a sequence's heads together) gains as much (2026-11-28-rope-passes/): what costs is the
+// whole wave running in step, not a sequence's heads reading the same blocks at once.
 constexpr int kStaggerSpanNs = 8000;
 static_assert(kWarps * kMaxGroup * (kHeadDim + 2) * 4 <= kSharedBytes, "the merge reuses the rings' memory");
 
