@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import hashlib
-import shutil
 import sys
 
 from collections.abc import Callable
@@ -32,11 +30,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.graph_timing import graph_time_us
+from benchmarks.kernel_variants import built_text
 from benchmarks.tune_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, build_step
 from minivllm.worker import hopper_gemm, ops
 from minivllm.worker.attention import triton_attention
-from minivllm.protocol.config import cache_root
-from minivllm.worker.attention.cuda_build import compile_library, find_nvcc
 
 LAYERS = 28
 HIDDEN = 1024
@@ -56,7 +53,7 @@ def rope_shared_bytes(tile: int, weight_stages: int, activation_stages: int) -> 
             + 16 * (weight_stages + activation_stages) + 1024)
 
 
-def variant_library(tile: int, weight_stages: int, activation_stages: int, build_dir: str) -> ctypes.CDLL:
+def variant_library(tile: int, weight_stages: int, activation_stages: int) -> ctypes.CDLL:
     """hopper_gemm.cu built with linear_rope's CTAs of this token tile holding these many weight and
     activation stages (other tiles as the source has them)."""
     with open(hopper_gemm.SOURCE) as f:
@@ -67,20 +64,7 @@ def variant_library(tile: int, weight_stages: int, activation_stages: int, build
     text = text.replace(ACTIVATION_RING, f"static constexpr int SX = ROPE && BT == {tile} && SW == {weight_stages} ? "
                                          f"{activation_stages} : "
                                          f"{ACTIVATION_RING.split('= ', 1)[1]}")
-    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    directory = os.path.join(build_dir, f"tile{tile}_sw{weight_stages}_sx{activation_stages}_{digest}")
-    target = os.path.join(directory, "hopper_gemm.so")
-    if os.path.exists(target):  # built by an earlier run on this machine
-        return hopper_gemm.load_library(target)
-    os.makedirs(directory, exist_ok=True)
-    for name in ("hopper_ptx.cuh",):
-        shutil.copy(os.path.join(os.path.dirname(hopper_gemm.SOURCE), name), directory)
-    source = os.path.join(directory, "hopper_gemm.cu")
-    with open(source, "w") as f:
-        f.write(text)
-    compile_library(find_nvcc(), source, target + ".tmp")
-    os.replace(target + ".tmp", target)
-    return hopper_gemm.load_library(target)
+    return built_text(text, "hopper_gemm.cu", hopper_gemm.load_library, "qkv-overlap-probe")
 
 
 class DecodeLayers:
@@ -151,12 +135,11 @@ def main() -> None:
           f"(the engine's rope tile here: {default_tile})", flush=True)
     built = hopper_gemm.library()
     reference = None
-    build_dir = os.path.join(str(cache_root()), "kernels", "qkv-overlap-probe")
     for variant in args.variants.split(";"):
         fields = [] if variant == "default" else [int(x) for x in variant.split(",")]
         tile = fields[0] if fields else default_tile
         if len(fields) == 3:
-            lib = variant_library(tile, fields[1], fields[2], build_dir)
+            lib = variant_library(tile, fields[1], fields[2])
             stages = fields[1], fields[2]
         else:
             lib = built

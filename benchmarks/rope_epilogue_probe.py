@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.graph_timing import graph_time_us
 from benchmarks.qkv_attention_overlap_probe import LAYERS, DecodeLayers
-from benchmarks.step_timeline_probe import built_text, edited_text
+from benchmarks.kernel_variants import built_text, edited_text
 from benchmarks.tune_attention import CASES, HEAD_DIM, build_step
 from minivllm.worker import hopper_gemm
 from minivllm.worker.attention import fp8_decode, triton_attention

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -39,12 +37,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.graph_timing import graph_time_us
+from benchmarks.kernel_variants import built_text, edited_text
 from benchmarks.qkv_attention_overlap_probe import LAYERS, DecodeLayers
 from benchmarks.tune_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, build_step
-from minivllm.protocol.config import cache_root
 from minivllm.worker import hopper_gemm
 from minivllm.worker.attention import fp8_decode, triton_attention
-from minivllm.worker.attention.cuda_build import compile_library, find_nvcc
 
 NOW = """
 __device__ __forceinline__ unsigned long long timeline_now() {
@@ -53,6 +50,7 @@ __device__ __forceinline__ unsigned long long timeline_now() {
   return t;
 }
 """
+BUILD_TAG = "step-timeline-probe"  # (the builds' folder under $MINIVLLM_CACHE/kernels)
 MAX_ATTENTION_CTAS = 4096
 MAX_GEMM_CTAS = 512
 
@@ -138,16 +136,7 @@ extern "C" int minivllm_prefetch_first_blocks(const void* key, const void* value
 
 
 def prefetch_library() -> ctypes.CDLL:
-    directory = os.path.join(str(cache_root()), "kernels", "step-timeline-probe",
-                             hashlib.sha1(PREFETCH_SOURCE.encode()).hexdigest()[:12])
-    target = os.path.join(directory, "prefetch.so")
-    if not os.path.exists(target):
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "prefetch.cu"), "w") as f:
-            f.write(PREFETCH_SOURCE)
-        compile_library(find_nvcc(), os.path.join(directory, "prefetch.cu"), target + ".tmp")
-        os.replace(target + ".tmp", target)
-    lib = ctypes.CDLL(target)
+    lib = built_text(PREFETCH_SOURCE, "prefetch.cu", ctypes.CDLL, BUILD_TAG)
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.minivllm_prefetch_first_blocks.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i64, i64,
                                                    i64, ptr]
@@ -155,35 +144,9 @@ def prefetch_library() -> ctypes.CDLL:
     return lib
 
 
-def edited_text(source: str, edits: list[tuple[str, str]]) -> str:
-    """source's text with `edits` (each must occur once)."""
-    with open(source) as f:
-        text = f.read()
-    for old, new in edits:
-        assert text.count(old) == 1, f"{os.path.basename(source)} changed; the probe's edit no longer applies: {old!r}"
-        text = text.replace(old, new)
-    return text
-
-
-def built_text(text: str, name: str, loader, tag: str) -> ctypes.CDLL:
-    """A kernel source's text (file name `name`) built once per machine under
-    $MINIVLLM_CACHE/kernels/tag/, beside hopper_gemm.cu's header, and loaded by `loader`."""
-    directory = os.path.join(str(cache_root()), "kernels", tag, hashlib.sha1(text.encode()).hexdigest()[:12])
-    target = os.path.join(directory, name.replace(".cu", ".so"))
-    if not os.path.exists(target):
-        os.makedirs(directory, exist_ok=True)
-        if '#include "hopper_ptx.cuh"' in text:  # (from the engine's tree: the source may be a copy elsewhere)
-            shutil.copy(os.path.join(os.path.dirname(hopper_gemm.SOURCE), "hopper_ptx.cuh"), directory)
-        with open(os.path.join(directory, name), "w") as f:
-            f.write(text)
-        compile_library(find_nvcc(), os.path.join(directory, name), target + ".tmp")
-        os.replace(target + ".tmp", target)
-    return loader(target)
-
-
 def timed_build(source: str, edits: list[tuple[str, str]], loader) -> ctypes.CDLL:
     """source with `edits`, built once per machine beside its includes, loaded by `loader`."""
-    lib = built_text(edited_text(source, edits), os.path.basename(source), loader, "step-timeline-probe")
+    lib = built_text(edited_text(source, edits), os.path.basename(source), loader, BUILD_TAG)
     lib.minivllm_read_timeline.argtypes = [ctypes.c_void_p]
     lib.minivllm_read_timeline.restype = ctypes.c_int
     return lib
