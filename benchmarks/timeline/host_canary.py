@@ -36,7 +36,7 @@ def cpu_steal_ticks() -> tuple[int, int] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long it runs (SIGINT ends it sooner)")
     parser.add_argument("--work-ms", type=float, default=1.0, help="a work unit longer than this is a stall")
     parser.add_argument("--wake-ms", type=float, default=2.0, help="a 0.5 ms sleep longer than this is a stall")
     args = parser.parse_args()
@@ -47,17 +47,20 @@ def main() -> None:
     durations: list[float] = []
     steal_before = cpu_steal_ticks()
     stop = time.perf_counter() + args.seconds
-    while time.perf_counter() < stop:
-        t0 = time.perf_counter()
-        work()
-        t1 = time.perf_counter()
-        time.sleep(0.0005)
-        t2 = time.perf_counter()
-        durations.append(t1 - t0)
-        if t1 - t0 > args.work_ms / 1e3:  # (the same clock as the engine's marks: CLOCK_MONOTONIC)
-            marks += [f"{t0:.6f} {os.getpid()} 0 > canary.work\n", f"{t1:.6f} {os.getpid()} 0 < canary.work\n"]
-        if t2 - t1 > args.wake_ms / 1e3:
-            marks += [f"{t1:.6f} {os.getpid()} 0 > canary.wake\n", f"{t2:.6f} {os.getpid()} 0 < canary.wake\n"]
+    try:
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            work()
+            t1 = time.perf_counter()
+            time.sleep(0.0005)
+            t2 = time.perf_counter()
+            durations.append(t1 - t0)
+            if t1 - t0 > args.work_ms / 1e3:  # (the same clock as the engine's marks: CLOCK_MONOTONIC)
+                marks += [f"{t0:.6f} {os.getpid()} 0 > canary.work\n", f"{t1:.6f} {os.getpid()} 0 < canary.work\n"]
+            if t2 - t1 > args.wake_ms / 1e3:
+                marks += [f"{t1:.6f} {os.getpid()} 0 > canary.wake\n", f"{t2:.6f} {os.getpid()} 0 < canary.wake\n"]
+    except KeyboardInterrupt:  # (SIGINT ends it early, with its marks written as at the end)
+        pass
     with open(os.path.join(trace_dir, f"trace-{os.getpid()}.txt"), "w") as f:
         f.writelines(marks)
     steal_after = cpu_steal_ticks()

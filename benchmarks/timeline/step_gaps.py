@@ -8,9 +8,10 @@ A window is what the driver marks with `__timeline_mark__("> rep N")` and `("< r
 set by sitecustomize.py); without such marks the whole trace is one window. A step is the interval
 from one `ModelRunner.run_step` entry to the next. For each window: the steps, each marked call's
 count, total and largest time, and every step after the first --skip (the prompt steps) longer than
---long-ms, with the host-work calls over 1.5 ms that began in it or up to 10 ms before (W: the
-worker, E: the EngineCore, F: the frontend, C: host_canary.py; calls that mostly wait, WAITING, are left out there). A long step whose calls all ran long in every process at once points
-at the host machine, not at one process's work.
+--long-ms, with the host-work calls over --call-ms that began in it or up to 10 ms before. W marks the
+worker's calls, E the EngineCore's, F the frontend's, C host_canary.py's stalls; calls that mostly
+wait (WAITING) are left out of that list. A long step whose calls ran long in every process at once
+points at the host machine, not at one process's work.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def windows(calls: dict[str, list[tuple[float, float]]]) -> list[tuple[str, floa
     return [("whole trace", min(every), max(every))]
 
 
-def report(trace_dir: str, skip: int, long_ms: float) -> None:
+def report(trace_dir: str, skip: int, long_ms: float, call_ms: float = 1.5) -> None:
     calls = spans(read_marks(trace_dir))
     if STEP not in calls:
         raise SystemExit(f"no {STEP} marks in {trace_dir}: was the worker started with benchmarks/timeline on PYTHONPATH?")
@@ -65,6 +66,9 @@ def report(trace_dir: str, skip: int, long_ms: float) -> None:
     for window, start, end in windows(calls):
         starts = [s for s, _ in calls[STEP] if start <= s <= end]
         decode = [(starts[i + 1] - starts[i], starts[i]) for i in range(skip, len(starts) - 1)]
+        if not decode:
+            print(f"{window}: {len(starts)} steps, none after the first {skip}")
+            continue
         print(f"{window}: {(end - start) * 1e3:.1f} ms, {len(starts)} steps; decode steps (from step {skip}): "
               f"median {statistics.median(g for g, _ in decode) * 1e3:.2f} ms, "
               f"{sum(g > long_ms / 1e3 for g, _ in decode)} over {long_ms:g} ms")
@@ -81,7 +85,7 @@ def report(trace_dir: str, skip: int, long_ms: float) -> None:
                     continue
                 who = PROCESS_OF.get(name.split(".")[0], "?")
                 for s, e in found:  # (10 ms before: the EngineCore works up to two steps ahead)
-                    if step_start - 0.010 <= s < step_start + gap and e - s > 0.0015:
+                    if step_start - 0.010 <= s < step_start + gap and e - s > call_ms / 1e3:
                         inside.append((s, f"{who} {name.split('.')[-1]} {(e - s) * 1e3:.1f}@{(s - step_start) * 1e3:+.1f}"))
             print(f"  step at {(step_start - start) * 1e3:7.1f} ms took {gap * 1e3:5.1f} ms: "
                   + ", ".join(text for _, text in sorted(inside)))
@@ -92,8 +96,9 @@ def main() -> None:
     parser.add_argument("trace_dir")
     parser.add_argument("--skip", type=int, default=12, help="steps at a window's start not reported (its prompt steps)")
     parser.add_argument("--long-ms", type=float, default=7.0, help="a decode step longer than this is listed")
+    parser.add_argument("--call-ms", type=float, default=1.5, help="a host call longer than this is named in a long step")
     args = parser.parse_args()
-    report(args.trace_dir, args.skip, args.long_ms)
+    report(args.trace_dir, args.skip, args.long_ms, args.call_ms)
 
 
 if __name__ == "__main__":
