@@ -87,9 +87,9 @@ def main() -> None:
         cache = "*fp8e4nv" if fp8 else "*bf16"
         block_bytes = BLOCK * KV_HEADS * (HEAD_DIM + 2) if fp8 else BLOCK * KV_HEADS * HEAD_DIM  # (bf16 scales)
         strides = dict(stride_cache_block=block_bytes, stride_k_slot=KV_HEADS * HEAD_DIM, stride_k_head=HEAD_DIM)
-        strides.update(dict(stride_v_slot=HEAD_DIM, stride_v_head=HEAD_DIM * BLOCK, stride_v_dim=1, stride_scale_block=block_bytes // 2,
+        strides.update(dict(stride_v_slot=HEAD_DIM, stride_v_head=HEAD_DIM * BLOCK, stride_scale_block=block_bytes // 2,
                             stride_scale_slot=1, stride_scale_head=BLOCK) if fp8 else
-                       dict(stride_v_slot=KV_HEADS * HEAD_DIM, stride_v_head=HEAD_DIM, stride_v_dim=1, stride_scale_block=0,
+                       dict(stride_v_slot=KV_HEADS * HEAD_DIM, stride_v_head=HEAD_DIM, stride_scale_block=0,
                             stride_scale_slot=0, stride_scale_head=0))
         ints = dict(strides, stride_q_token=(HEADS + 2 * KV_HEADS) * HEAD_DIM, stride_q_head=HEAD_DIM,
                     stride_o_token=HEADS * HEAD_DIM, stride_o_head=HEAD_DIM, stride_block_table=4096, num_seqs=257,

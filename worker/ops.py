@@ -126,7 +126,7 @@ if triton is not None:
                           key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                           stride_key_token, stride_key_head, stride_value_token, stride_value_head,
                           stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                          stride_v_dim, stride_scale_block, stride_scale_slot, stride_scale_head,
+                          stride_scale_block, stride_scale_slot, stride_scale_head,
                           NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF_ROT: tl.constexpr, HEADS_PADDED: tl.constexpr, DIM_PADDED: tl.constexpr,
                           HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
@@ -164,7 +164,7 @@ if triton is not None:
             store_token_kv(
                 key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
                 stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                 stride_scale_block, stride_scale_slot, stride_scale_head,
                 NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 

@@ -78,7 +78,7 @@ from minivllm.worker.attention.metadata import (
 def store_token_kv(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, token,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
@@ -96,14 +96,14 @@ def store_token_kv(
     k = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
     write_kv_heads(k, v, heads, head_valid, dims, dim_valid, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                   stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                   stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                    stride_scale_block, stride_scale_slot, stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
 
 @triton.jit
 def write_kv_heads(
     k, v, heads, head_valid, dims, dim_valid, slot, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
@@ -117,7 +117,7 @@ def write_kv_heads(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     k_offs = block * stride_cache_block + offset * stride_k_slot + heads[:, None] * stride_k_head + dims[None, :]
-    v_offs = block * stride_cache_block + offset * stride_v_slot + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim
+    v_offs = block * stride_cache_block + offset * stride_v_slot + heads[:, None] * stride_v_head + dims[None, :]
     if FP8:
         scale_offs = block * stride_scale_block + offset * stride_scale_slot + heads * stride_scale_head
         k, k_scale = quantize_rows(k, FP8_MAX, MIN_SCALE)
@@ -181,7 +181,7 @@ def normed_rotated_heads(
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
@@ -190,7 +190,7 @@ def _store_kv_kernel(
     store_token_kv(
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
         tl.program_id(0).to(tl.int64), stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-        stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+        stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
         stride_scale_block, stride_scale_slot, stride_scale_head,
         NUM_KV_HEADS, KV_HEADS_PADDED, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
 
@@ -342,7 +342,7 @@ def _attend_fresh_tile(
 def _attend_key_tile(
     q, acc, l_i, m_i, key_start, query_pos, num_keys, block_table, kv_head, scale_log2e,
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IEEE_FP32: tl.constexpr, FP8: tl.constexpr,
@@ -395,7 +395,7 @@ def _attend_key_tile(
             stride_v_head, HEAD_DIM, HEAD_DIM_PADDED, MASKED, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
         return acc * alpha[:, None] + pv, l_i, m_new
     v_ptrs = v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None] \
-        + offs_d[None, :] * stride_v_dim
+        + offs_d[None, :]
     if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     else:
@@ -414,7 +414,7 @@ def _attend_query_tile(
     scale_log2e,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
@@ -482,7 +482,7 @@ def _attend_query_tile(
                 acc, l_i, m_i = _attend_key_tile(
                     q, acc, l_i, m_i, key_start, query_pos, cache_end, block_table, kv_head, scale_log2e,
                     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+                    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                     stride_scale_block, stride_scale_slot, stride_scale_head,
                     HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_N, masked == 1, IEEE_FP32, FP8)
     if FRESH_KV:
@@ -543,7 +543,7 @@ def _paged_attention_kernel(
     scale_log2e, num_seqs, num_kv_heads,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
     partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
@@ -615,7 +615,7 @@ def _paged_attention_kernel(
         split, num_used, context_tiles, pid, scale_log2e,
         stride_q_token, stride_q_head, stride_o_token, stride_o_head,
         stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-        stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+        stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
         stride_scale_block, stride_scale_slot, stride_scale_head,
         partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, num_heads,
         HEADS_PER_KV, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N,
@@ -629,7 +629,7 @@ def _cached_prefill_kernel(
     scale_log2e, num_seqs, num_kv_heads,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
@@ -679,7 +679,7 @@ def _cached_prefill_kernel(
             tile_in_seq, kv_head, 0, 1, 0, 0, scale_log2e,
             stride_q_token, stride_q_head, stride_o_token, stride_o_head,
             stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-            stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+            stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
             stride_scale_block, stride_scale_slot, stride_scale_head,
             out_ptr, out_ptr, out_ptr, out_ptr, 0,
             HEADS_PER_KV, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N,
@@ -727,7 +727,7 @@ def _paged_decode_kernel(
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, seq_order_ptr,
     scale_log2e,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_cache_block, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_block_table,
     # ROPE's: this step's k and v before RoPE, and what the rotation and the store take
@@ -804,7 +804,7 @@ def _paged_decode_kernel(
             write_kv_heads(k_new, v_new, kv_row, kv_valid, offs_d, d_valid,
                            tl.load(slot_mapping_ptr + row).to(tl.int64), k_cache_ptr, v_cache_ptr,
                            k_scale_ptr, v_scale_ptr, stride_cache_block, stride_k_slot, stride_k_head,
-                           stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block, stride_scale_slot,
+                           stride_v_slot, stride_v_head, stride_scale_block, stride_scale_slot,
                            stride_scale_head, BLOCK_SIZE, FP8, FP8_MAX, MIN_SCALE)
         tl.debug_barrier()  # the keys read below include the one just written
     else:
@@ -849,7 +849,7 @@ def _paged_decode_kernel(
                 HEAD_DIM, HEAD_DIM_PADDED, True, IEEE_FP32, q.dtype, BLOCK_SIZE, BLOCK_N)
         else:
             v = tl.load(v_cache_ptr + (block_base + slot * stride_v_slot + kv_head * stride_v_head)[:, None]
-                        + offs_d[None, :] * stride_v_dim, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+                        + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0)
             if IEEE_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -930,18 +930,18 @@ def _scales(views: KVCacheViews) -> tuple[torch.Tensor, torch.Tensor]:
 
 def cache_strides(views: KVCacheViews) -> tuple[int, ...]:
     """The kernels' cache strides, in elements: (block, key slot, key head, value slot, value
-    head, value dim, scale block, scale slot, scale head). A key's dims are contiguous, and so are
-    a value's (kv_cache.py). K and V (and their scales) share the block stride: they are rows of one
-    tensor."""
+    head, scale block, scale slot, scale head). A key's dims are contiguous, and so are a value's
+    (kv_cache.py), so neither has a dim stride. K and V (and their scales) share the block stride:
+    they are rows of one tensor."""
     key, value = views.key, views.value
     assert key.stride(3) == 1 and value.stride(3) == 1 and key.stride(0) == value.stride(0)
     if views.key_scale is not None:  # a head's values in a block are one run (_fp8_value_runs reads them so)
         assert value.stride(1) == value.shape[3], "FP8 values must be [head, slot, dim] in a block"
     scale = (0, 0, 0) if views.key_scale is None else views.key_scale.stride()
-    return (key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2), value.stride(3), *scale)
+    return (key.stride(0), key.stride(1), key.stride(2), value.stride(1), value.stride(2), *scale)
 
 
-STORE_KV_STRIDES = 13  # store_token_kv's stride arguments: the key's and value's 2 each, then cache_strides
+STORE_KV_STRIDES = 12  # store_token_kv's stride arguments: the key's and value's 2 each, then cache_strides
 
 
 class PrefillConfig(NamedTuple):
