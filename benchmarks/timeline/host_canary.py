@@ -4,6 +4,12 @@ should. Run beside a traced workload; step_gaps.py then lists the canary's stall
 engine's long steps. If the canary stalls when the engine's processes do, the host machine slowed
 them all (other tenants, CPU steal); if it does not, the stall is the engine's own.
 
+Three kinds of stall are marked: `work` (one unit of interpreter work over --work-ms: the canary was
+descheduled), `wake` (a 0.5 ms sleep over --wake-ms), `slow` (a --window-ms window whose units' median
+ran over --slow-x times the run's: the CPU ran slower for a while, as when a neighbour shares its
+core or its cache) and `alloc` (a fresh, touched 256 KiB that took over --alloc-ms: the kernel's page
+allocator stalled, as in reclaim or compaction, which hits only processes that take new memory).
+
     TIMELINE_DIR=/tmp/trace python3 benchmarks/timeline/host_canary.py --seconds 90 &
     TIMELINE_DIR=/tmp/trace PYTHONPATH=benchmarks/timeline:$PYTHONPATH python3 my_driver.py
     python3 benchmarks/timeline/step_gaps.py /tmp/trace
@@ -15,6 +21,7 @@ machine's CPU steal time over the run (/proc/stat) where Linux reports it.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import statistics
 import time
@@ -22,6 +29,39 @@ import time
 
 def work() -> int:
     return sum(i * i for i in range(300))  # ~10-20 us of interpreter work
+
+
+def alloc() -> None:
+    # An anonymous map of its own (malloc would reuse its heap's pages): 64 fresh pages, each faulted in.
+    with mmap.mmap(-1, 1 << 18) as block:
+        for offset in range(0, 1 << 18, 4096):
+            block[offset] = 1
+
+
+# /proc/vmstat counters that move when the kernel makes a process wait for memory
+VMSTAT_STALLS = ("allocstall_normal", "allocstall_movable", "compact_stall", "pgscan_direct", "pgmajfault",
+                 "pswpin", "pswpout", "thp_fault_alloc", "thp_fault_fallback", "thp_collapse_alloc")
+
+
+def vmstat() -> dict[str, int]:
+    try:
+        with open("/proc/vmstat") as f:
+            pairs = (line.split() for line in f)
+            return {name: int(value) for name, value in pairs if name in VMSTAT_STALLS}
+    except (OSError, ValueError):
+        return {}
+
+
+def slow_windows(units: list[tuple[float, float]], window_s: float, slow_x: float) -> list[tuple[float, float]]:
+    """(start, end) of each window whose units' median took over slow_x times the run's median."""
+    if not units:
+        return []
+    typical = statistics.median(d for _, d in units)
+    by_window: dict[int, list[float]] = {}
+    for t0, d in units:
+        by_window.setdefault(int(t0 / window_s), []).append(d)
+    return [(w * window_s, (w + 1) * window_s) for w, found in sorted(by_window.items())
+            if len(found) >= 3 and statistics.median(found) > slow_x * typical]
 
 
 def cpu_steal_ticks() -> tuple[int, int] | None:
@@ -39,13 +79,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long it runs (SIGINT ends it sooner)")
     parser.add_argument("--work-ms", type=float, default=1.0, help="a work unit longer than this is a stall")
     parser.add_argument("--wake-ms", type=float, default=2.0, help="a 0.5 ms sleep longer than this is a stall")
+    parser.add_argument("--alloc-ms", type=float, default=2.0, help="a fresh 256 KiB slower than this is a stall")
+    parser.add_argument("--window-ms", type=float, default=10.0, help="the window a slow median is judged over")
+    parser.add_argument("--slow-x", type=float, default=2.0, help="a window this many times the median is slow")
     args = parser.parse_args()
     trace_dir = os.environ.get("TIMELINE_DIR")
     if not trace_dir:
         raise SystemExit("set TIMELINE_DIR (the directory the traced workload writes its marks to)")
     marks: list[str] = []
-    durations: list[float] = []
-    steal_before = cpu_steal_ticks()
+    units: list[tuple[float, float]] = []  # (start, duration) of every work unit
+    alloc_durations: list[float] = []
+    steal_before, vm_before = cpu_steal_ticks(), vmstat()
     stop = time.perf_counter() + args.seconds
     try:
         while time.perf_counter() < stop:
@@ -54,19 +98,31 @@ def main() -> None:
             t1 = time.perf_counter()
             time.sleep(0.0005)
             t2 = time.perf_counter()
-            durations.append(t1 - t0)
+            alloc()
+            t3 = time.perf_counter()
+            units.append((t0, t1 - t0))
+            alloc_durations.append(t3 - t2)
             if t1 - t0 > args.work_ms / 1e3:  # (the same clock as the engine's marks: CLOCK_MONOTONIC)
                 marks += [f"{t0:.6f} {os.getpid()} 0 > canary.work\n", f"{t1:.6f} {os.getpid()} 0 < canary.work\n"]
             if t2 - t1 > args.wake_ms / 1e3:
                 marks += [f"{t1:.6f} {os.getpid()} 0 > canary.wake\n", f"{t2:.6f} {os.getpid()} 0 < canary.wake\n"]
+            if t3 - t2 > args.alloc_ms / 1e3:
+                marks += [f"{t2:.6f} {os.getpid()} 0 > canary.alloc\n", f"{t3:.6f} {os.getpid()} 0 < canary.alloc\n"]
     except KeyboardInterrupt:  # (SIGINT ends it early, with its marks written as at the end)
         pass
+    for start, end in slow_windows(units, args.window_ms / 1e3, args.slow_x):
+        marks += [f"{start:.6f} {os.getpid()} 0 > canary.slow\n", f"{end:.6f} {os.getpid()} 0 < canary.slow\n"]
     with open(os.path.join(trace_dir, f"trace-{os.getpid()}.txt"), "w") as f:
         f.writelines(marks)
-    steal_after = cpu_steal_ticks()
-    stalls = {kind: sum(f"> canary.{kind}" in m for m in marks) for kind in ("work", "wake")}
-    line = (f"canary: {len(durations)} units, median {statistics.median(durations) * 1e6:.1f} us; "
-            f"{stalls['work']} over {args.work_ms:g} ms, {stalls['wake']} wake-ups over {args.wake_ms:g} ms")
+    steal_after, vm_after = cpu_steal_ticks(), vmstat()
+    stalls = {kind: sum(f"> canary.{kind}" in m for m in marks) for kind in ("work", "wake", "slow", "alloc")}
+    line = (f"canary: {len(units)} units, median {statistics.median(d for _, d in units) * 1e6:.1f} us; "
+            f"{stalls['work']} over {args.work_ms:g} ms, {stalls['wake']} wake-ups over {args.wake_ms:g} ms, "
+            f"{stalls['slow']} slow {args.window_ms:g} ms windows (median over {args.slow_x:g}x); "
+            f"fresh 256 KiB median {statistics.median(alloc_durations) * 1e6:.1f} us, {stalls['alloc']} over "
+            f"{args.alloc_ms:g} ms")
+    moved = {name: vm_after[name] - vm_before[name] for name in vm_after if vm_after[name] != vm_before.get(name)}
+    line += "; vmstat: " + (", ".join(f"{name} +{n}" for name, n in moved.items()) or "no stall counter moved")
     if steal_before and steal_after and steal_after[1] > steal_before[1]:
         share = (steal_after[0] - steal_before[0]) / (steal_after[1] - steal_before[1])
         line += f"; CPU steal {share:.2%} of all CPU time"

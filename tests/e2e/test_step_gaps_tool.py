@@ -65,3 +65,19 @@ def test_step_gaps_names_every_process_in_a_traced_run(tiny_llama: str, tmp_path
     named = " ".join(steps)
     for who in ("W prepare", "E schedule", "F process_outputs", "C work"):
         assert who in named, (who, report.stdout)
+
+
+def test_canary_marks_a_window_whose_work_ran_slow() -> None:
+    """The canary's `slow` windows: a stretch where every unit of its work took 3x as long (a CPU shared
+    with a neighbour) is one window; the same stretch at the usual pace, or one slow unit, is none."""
+    sys.path.insert(0, TIMELINE)
+    try:
+        from host_canary import slow_windows
+    finally:
+        sys.path.remove(TIMELINE)
+    usual = [(i * 0.0005, 20e-6) for i in range(200)]  # 0.1 s of 20 us units, one every 0.5 ms
+    slowed = [(t, d * 3 if 0.050 <= t < 0.060 else d) for t, d in usual]
+    assert slow_windows(usual, 0.010, 2.0) == []
+    assert [(round(a, 3), round(b, 3)) for a, b in slow_windows(slowed, 0.010, 2.0)] == [(0.05, 0.06)]
+    one_slow = [(t, d * 50 if i == 101 else d) for i, (t, d) in enumerate(usual)]
+    assert slow_windows(one_slow, 0.010, 2.0) == []
