@@ -8,7 +8,10 @@ Three kinds of stall are marked: `work` (one unit of interpreter work over --wor
 descheduled), `wake` (a 0.5 ms sleep over --wake-ms), `slow` (a --window-ms window whose units' median
 ran over --slow-x times the run's: the CPU ran slower for a while, as when a neighbour shares its
 core or its cache) and `alloc` (a fresh, touched 256 KiB that took over --alloc-ms: the kernel's page
-allocator stalled, as in reclaim or compaction, which hits only processes that take new memory).
+allocator stalled, as in reclaim or compaction, which hits only processes that take new memory) and
+`mem` (every --mem-every-ms, a read of one byte per cache line of 32 MiB that took over --slow-x times
+its median: the memory system served this core slower, as when a neighbour floods the shared cache or
+DRAM; the interpreter work above lives in L1 and would not show that).
 
     TIMELINE_DIR=/tmp/trace python3 benchmarks/timeline/host_canary.py --seconds 90 &
     TIMELINE_DIR=/tmp/trace PYTHONPATH=benchmarks/timeline:$PYTHONPATH python3 my_driver.py
@@ -36,6 +39,28 @@ def alloc() -> None:
     with mmap.mmap(-1, 1 << 18) as block:
         for offset in range(0, 1 << 18, 4096):
             block[offset] = 1
+
+
+class MemoryProbe:
+    """Reads one byte of every 64-byte line of a 32 MiB buffer (numpy: the pass is memory-bound, not
+    interpreter-bound); None where numpy is missing."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.buffer = np.ones(32 << 20, dtype=np.uint8)
+        self.lines = self.buffer[::64]
+
+    def read(self) -> int:
+        return int(self.lines.sum())
+
+
+def over_median(passes: list[tuple[float, float]], times: float) -> list[tuple[float, float]]:
+    """(start, end) of the passes that took over `times` their median."""
+    if not passes:
+        return []
+    typical = statistics.median(d for _, d in passes)
+    return [(t0, t0 + d) for t0, d in passes if d > times * typical]
 
 
 # /proc/vmstat counters that move when the kernel makes a process wait for memory
@@ -82,6 +107,7 @@ def main() -> None:
     parser.add_argument("--alloc-ms", type=float, default=2.0, help="a fresh 256 KiB slower than this is a stall")
     parser.add_argument("--window-ms", type=float, default=10.0, help="the window a slow median is judged over")
     parser.add_argument("--slow-x", type=float, default=2.0, help="a window this many times the median is slow")
+    parser.add_argument("--mem-every-ms", type=float, default=20.0, help="how often the memory probe reads")
     args = parser.parse_args()
     trace_dir = os.environ.get("TIMELINE_DIR")
     if not trace_dir:
@@ -89,6 +115,12 @@ def main() -> None:
     marks: list[str] = []
     units: list[tuple[float, float]] = []  # (start, duration) of every work unit
     alloc_durations: list[float] = []
+    mem_passes: list[tuple[float, float]] = []
+    try:
+        memory: MemoryProbe | None = MemoryProbe()
+    except ImportError:
+        memory = None
+    next_mem = 0.0
     steal_before, vm_before = cpu_steal_ticks(), vmstat()
     stop = time.perf_counter() + args.seconds
     try:
@@ -102,6 +134,10 @@ def main() -> None:
             t3 = time.perf_counter()
             units.append((t0, t1 - t0))
             alloc_durations.append(t3 - t2)
+            if memory is not None and t3 >= next_mem:
+                memory.read()
+                mem_passes.append((t3, time.perf_counter() - t3))
+                next_mem = t3 + args.mem_every_ms / 1e3
             if t1 - t0 > args.work_ms / 1e3:  # (the same clock as the engine's marks: CLOCK_MONOTONIC)
                 marks += [f"{t0:.6f} {os.getpid()} 0 > canary.work\n", f"{t1:.6f} {os.getpid()} 0 < canary.work\n"]
             if t2 - t1 > args.wake_ms / 1e3:
@@ -112,15 +148,20 @@ def main() -> None:
         pass
     for start, end in slow_windows(units, args.window_ms / 1e3, args.slow_x):
         marks += [f"{start:.6f} {os.getpid()} 0 > canary.slow\n", f"{end:.6f} {os.getpid()} 0 < canary.slow\n"]
+    for start, end in over_median(mem_passes, args.slow_x):
+        marks += [f"{start:.6f} {os.getpid()} 0 > canary.mem\n", f"{end:.6f} {os.getpid()} 0 < canary.mem\n"]
     with open(os.path.join(trace_dir, f"trace-{os.getpid()}.txt"), "w") as f:
         f.writelines(marks)
     steal_after, vm_after = cpu_steal_ticks(), vmstat()
-    stalls = {kind: sum(f"> canary.{kind}" in m for m in marks) for kind in ("work", "wake", "slow", "alloc")}
+    stalls = {kind: sum(f"> canary.{kind}" in m for m in marks) for kind in ("work", "wake", "slow", "alloc", "mem")}
     line = (f"canary: {len(units)} units, median {statistics.median(d for _, d in units) * 1e6:.1f} us; "
             f"{stalls['work']} over {args.work_ms:g} ms, {stalls['wake']} wake-ups over {args.wake_ms:g} ms, "
             f"{stalls['slow']} slow {args.window_ms:g} ms windows (median over {args.slow_x:g}x); "
             f"fresh 256 KiB median {statistics.median(alloc_durations) * 1e6:.1f} us, {stalls['alloc']} over "
             f"{args.alloc_ms:g} ms")
+    if mem_passes:
+        line += (f"; 32 MiB read median {statistics.median(d for _, d in mem_passes) * 1e6:.1f} us, "
+                 f"{stalls['mem']} of {len(mem_passes)} over {args.slow_x:g}x")
     moved = {name: vm_after[name] - vm_before[name] for name in vm_after if vm_after[name] != vm_before.get(name)}
     line += "; vmstat: " + (", ".join(f"{name} +{n}" for name, n in moved.items()) or "no stall counter moved")
     if steal_before and steal_after and steal_after[1] > steal_before[1]:

@@ -69,10 +69,11 @@ def test_step_gaps_names_every_process_in_a_traced_run(tiny_llama: str, tmp_path
 
 def test_canary_marks_a_window_whose_work_ran_slow() -> None:
     """The canary's `slow` windows: a stretch where every unit of its work took 3x as long (a CPU shared
-    with a neighbour) is one window; the same stretch at the usual pace, or one slow unit, is none."""
+    with a neighbour) is one window; the same stretch at the usual pace, or one slow unit, is none. Its
+    `mem` marks: the memory reads over twice their median."""
     sys.path.insert(0, TIMELINE)
     try:
-        from host_canary import slow_windows
+        from host_canary import over_median, slow_windows
     finally:
         sys.path.remove(TIMELINE)
     usual = [(i * 0.0005, 20e-6) for i in range(200)]  # 0.1 s of 20 us units, one every 0.5 ms
@@ -81,3 +82,6 @@ def test_canary_marks_a_window_whose_work_ran_slow() -> None:
     assert [(round(a, 3), round(b, 3)) for a, b in slow_windows(slowed, 0.010, 2.0)] == [(0.05, 0.06)]
     one_slow = [(t, d * 50 if i == 101 else d) for i, (t, d) in enumerate(usual)]
     assert slow_windows(one_slow, 0.010, 2.0) == []
+    # the memory probe's passes: only the one at 3x the median is marked
+    passes = [(i * 0.02, 1.5e-3) for i in range(10)] + [(0.2, 4.5e-3), (0.22, 2.9e-3)]
+    assert over_median(passes, 2.0) == [(0.2, 0.2 + 4.5e-3)]
