@@ -1,24 +1,28 @@
-"""A process apart from the engine that does a fixed bit of Python work every half millisecond and
-marks, in the timeline's trace format, each time that work or its wake-up took far longer than it
-should. Run beside a traced workload; step_gaps.py then lists the canary's stalls (C) inside the
-engine's long steps. If the canary stalls when the engine's processes do, the host machine slowed
-them all (other tenants, CPU steal); if it does not, the stall is the engine's own.
+"""A process apart from the engine that does a fixed bit of Python work every half millisecond (and
+maps a fresh 256 KiB, and now and then reads 32 MiB), and marks in the timeline's trace format each
+time that took far longer than it should. Run beside a traced workload; step_gaps.py then lists the
+canary's stalls (C) inside the engine's long steps. If the canary stalls when the engine's processes
+do, the host machine slowed them all (other tenants, CPU steal); if it does not, the stall is the
+engine's own.
 
-Three kinds of stall are marked: `work` (one unit of interpreter work over --work-ms: the canary was
-descheduled), `wake` (a 0.5 ms sleep over --wake-ms), `slow` (a --window-ms window whose units' median
-ran over --slow-x times the run's: the CPU ran slower for a while, as when a neighbour shares its
-core or its cache) and `alloc` (a fresh, touched 256 KiB that took over --alloc-ms: the kernel's page
-allocator stalled, as in reclaim or compaction, which hits only processes that take new memory) and
-`mem` (every --mem-every-ms, a read of one byte per cache line of 32 MiB that took over --slow-x times
-its median: the memory system served this core slower, as when a neighbour floods the shared cache or
-DRAM; the interpreter work above lives in L1 and would not show that).
+Five kinds of stall are marked:
+- `work`: one unit of interpreter work over --work-ms (the canary was descheduled);
+- `wake`: a 0.5 ms sleep over --wake-ms;
+- `slow`: a --window-ms window whose units' median ran over --slow-x times the run's (the CPU ran
+  slower for a while, as when a neighbour shares its core or its cache);
+- `alloc`: a fresh, touched 256 KiB that took over --alloc-ms (the kernel's page allocator stalled,
+  as in reclaim or compaction, which hits only processes that take new memory);
+- `mem`: every --mem-every-ms, a read of one byte per cache line of 32 MiB that took over --slow-x
+  times its median (the memory system served this core slower, as when a neighbour floods the shared
+  cache or DRAM; the interpreter work above lives in L1 and would not show that).
 
     TIMELINE_DIR=/tmp/trace python3 benchmarks/timeline/host_canary.py --seconds 90 &
     TIMELINE_DIR=/tmp/trace PYTHONPATH=benchmarks/timeline:$PYTHONPATH python3 my_driver.py
     python3 benchmarks/timeline/step_gaps.py /tmp/trace
 
-Prints, at the end, the work unit's median and how many stalls of each kind it saw, and the
-machine's CPU steal time over the run (/proc/stat) where Linux reports it.
+Prints, at the end, the work unit's median and how many stalls of each kind it saw, /proc/vmstat's
+memory-stall counters that moved, and the machine's CPU steal time over the run (/proc/stat) where
+Linux reports it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def alloc() -> None:
 
 class MemoryProbe:
     """Reads one byte of every 64-byte line of a 32 MiB buffer (numpy: the pass is memory-bound, not
-    interpreter-bound); None where numpy is missing."""
+    interpreter-bound). Raises ImportError without numpy; the canary then runs without it."""
 
     def __init__(self) -> None:
         import numpy as np
@@ -106,7 +110,8 @@ def main() -> None:
     parser.add_argument("--wake-ms", type=float, default=2.0, help="a 0.5 ms sleep longer than this is a stall")
     parser.add_argument("--alloc-ms", type=float, default=2.0, help="a fresh 256 KiB slower than this is a stall")
     parser.add_argument("--window-ms", type=float, default=10.0, help="the window a slow median is judged over")
-    parser.add_argument("--slow-x", type=float, default=2.0, help="a window this many times the median is slow")
+    parser.add_argument("--slow-x", type=float, default=2.0,
+                        help="a window (or memory read) this many times the median is slow")
     parser.add_argument("--mem-every-ms", type=float, default=20.0, help="how often the memory probe reads")
     args = parser.parse_args()
     trace_dir = os.environ.get("TIMELINE_DIR")
