@@ -119,8 +119,8 @@ if triton is not None:
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
         tl.store(out_ptr + row * stride_o + offs, (xf * rstd).to(x.dtype) * w, mask=mask)
 
-    @triton.jit(do_not_specialize=["num_tokens"])
-    def _norm_rope_kernel(q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, num_tokens,
+    @triton.jit
+    def _norm_rope_kernel(q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr,
                           stride_q_token, stride_k_token, eps,
                           # store_token_kv's arguments (triton_attention.store_kv_args), used with STORE_KV
                           key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
@@ -249,7 +249,7 @@ def norm_rope(
                                FP8=False, FP8_MAX=1.0, MIN_SCALE=1.0)
     _norm_rope_kernel[(num_tokens,)](
         q, k, q_norm if q_norm is not None else q, k_norm if k_norm is not None else k,
-        cos_cache, sin_cache, positions, num_tokens, q.stride(0), k.stride(0), eps, *store_args,
+        cos_cache, sin_cache, positions, q.stride(0), k.stride(0), eps, *store_args,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF_ROT=half_rot,
         HEADS_PADDED=triton.next_power_of_2(num_q_heads), DIM_PADDED=triton.next_power_of_2(head_dim),
         HAS_NORM=q_norm is not None, STORE_KV=kv_store is not None,
