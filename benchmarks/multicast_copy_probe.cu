@@ -146,25 +146,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (cluster > 1) cluster_sync();  // no CTA exits while another may still arrive on its barriers
 }
 
-bool encode(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols, uint32_t box_rows, char* error,
-            int error_len) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode_tiled = tensor_map_encoder(error, error_len);
-  if (encode_tiled == nullptr) return false;
-  const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {cols * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kChunk), box_rows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  CUresult res = encode_tiled(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(data), dims, strides, box,
-                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    snprintf(error, error_len, "cuTensorMapEncodeTiled failed (%d): rows %llu cols %llu box rows %u", int(res),
-             (unsigned long long)rows, (unsigned long long)cols, box_rows);
-    return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 // One launch per layer: weights [layers * n, k] (layer l's rows from l * n), x [num_tokens, k], bf16.
@@ -184,8 +165,10 @@ extern "C" int probe_copies(const void* weights, int layers, int n, int k, const
     return 1;
   }
   CUtensorMap w_map, x_map;
-  if (!encode(&w_map, weights, uint64_t(layers) * n, k, share_w ? kRows / cluster : kRows, error, error_len) ||
-      !encode(&x_map, x, num_tokens, k, shares_x ? token_tile / cluster : token_tile, error, error_len))
+  if (!encode_bf16_rows_map(&w_map, weights, uint64_t(layers) * n, k, k, share_w ? kRows / cluster : kRows, error,
+                            error_len) ||
+      !encode_bf16_rows_map(&x_map, x, num_tokens, k, k, shares_x ? token_tile / cluster : token_tile, error,
+                            error_len))
     return 1;
   const int smem = stages * (kWBoxBytes + token_tile * kChunk * 2) + 16 * kMaxStages + 1024;
   cudaError_t err = cudaFuncSetAttribute(copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

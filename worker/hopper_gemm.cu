@@ -589,27 +589,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   store_tile<BT, kRows, kOutRowBytes>(out_stage, p.y + row_tile * kRows, p, first_token);
 }
 
-// A 2-D map over [rows, cols] bf16 (row stride in elements), read in boxes of box_rows x 64 cols
-// with the 128-byte swizzle; rows past the end read as zeros.
-bool encode_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols, int64_t stride, uint32_t box_rows,
-                char* error, int error_len) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(error, error_len);
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  const cuuint32_t box[2] = {64, box_rows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(data), dims, strides, box,
-                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    snprintf(error, error_len, "cuTensorMapEncodeTiled failed (%d): rows %llu cols %llu stride %lld", int(res),
-             (unsigned long long)rows, (unsigned long long)cols, (long long)stride);
-    return false;
-  }
-  return true;
-}
-
 template <int BT, int SW, bool GATED, bool ROPE = false>
 int launch(const CUtensorMap& w_map, const CUtensorMap& x_map, const Params& p, int grid, bool pdl, cudaStream_t stream,
            char* error, int error_len, const RopeParams& rope = RopeParams{}) {
@@ -662,8 +641,8 @@ extern "C" int minivllm_hopper_gemm(void* y, int64_t y_stride, const void* x, in
     return 1;
   }
   CUtensorMap w_map, x_map;
-  if (!encode_map(&w_map, w, n, k, w_stride, silu_mul ? kRows / 2 : kRows, error, error_len) ||
-      !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
+  if (!encode_bf16_rows_map(&w_map, w, n, k, w_stride, silu_mul ? kRows / 2 : kRows, error, error_len) ||
+      !encode_bf16_rows_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
     return 1;
   const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
   const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, n / 2};
@@ -705,8 +684,8 @@ extern "C" int minivllm_hopper_gemm_rope(void* y, int64_t y_stride, const void* 
     return 1;
   }
   CUtensorMap w_map, x_map;
-  if (!encode_map(&w_map, w, n, k, w_stride, kRows, error, error_len) ||
-      !encode_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
+  if (!encode_bf16_rows_map(&w_map, w, n, k, w_stride, kRows, error, error_len) ||
+      !encode_bf16_rows_map(&x_map, x, num_tokens, k, x_stride, token_tile, error, error_len))
     return 1;
   const int num_token_tiles = (num_tokens + token_tile - 1) / token_tile;
   const Params p{static_cast<__nv_bfloat16*>(y), y_stride, num_tokens, k / kChunk, num_token_tiles, 0};

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) helpers shared by the hand-written kernels: shared-memory addresses, mbarriers,
-// wgmma's fences and descriptors, and (on the host) the driver's tensor-map encoder. Included by
+// wgmma's fences and descriptors, and (on the host) the driver's tensor-map encoder and the GEMM's maps. Included by
 // worker/hopper_gemm.cu and worker/attention/hopper_prefill.cu (cuda_build.py fingerprints it with
 // each source).
 #pragma once
@@ -77,6 +77,29 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(char* error, int error_len)
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
   return encode;
+}
+
+// A 2-D map over a row-major bf16 matrix [rows, cols] (rows `stride` elements apart), read in boxes of
+// box_rows rows x 64 columns (one 128-byte swizzle row each), rows past the end read as zeros: how
+// worker/hopper_gemm.cu copies its weight and activation chunks. false, with the reason in error,
+// where the driver refuses it.
+bool encode_bf16_rows_map(CUtensorMap* map, const void* data, uint64_t rows, uint64_t cols, int64_t stride,
+                          uint32_t box_rows, char* error, int error_len) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(error, error_len);
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(data), dims, strides, box,
+                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    snprintf(error, error_len, "cuTensorMapEncodeTiled failed (%d): rows %llu cols %llu stride %lld box rows %u",
+             int(res), (unsigned long long)rows, (unsigned long long)cols, (long long)stride, box_rows);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
