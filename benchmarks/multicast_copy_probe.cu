@@ -13,9 +13,12 @@
 // cluster (cp.async.bulk.tensor ... .multicast::cluster), so that L2 serves each activation chunk
 // once per cluster instead of once per CTA. With share_w, the cluster's CTAs are consecutive token
 // tiles of one row tile instead, and they share the weight box the same way. A stage is then
-// refilled only once every CTA of the cluster has released it: each consumer warp arrives on its
-// own CTA's empty barrier and on the others' (mapa + mbarrier.arrive.shared::cluster), as a
-// multicast GEMM must.
+// refilled only once every CTA of the cluster has released it, as a multicast GEMM must. Two ways:
+//   - each consumer warp arrives on its own CTA's empty barrier and on the others' (mapa +
+//     mbarrier.arrive.shared::cluster);
+//   - lean: the consumer warpgroup first meets at a named barrier, then warp r's lane 0 arrives on
+//     CTA r's barrier: one arrival per CTA and stage, spread over the warps (as CUTLASS's pipelines
+//     release a multicast stage).
 //
 // no_chunks launches the same grid and clusters with nothing to copy: the launches' own cost.
 
@@ -40,6 +43,7 @@ struct Params {
   int row_tiles;   // CTA c: row tile c % row_tiles, token tile c / row_tiles (share_w: the other way round)
   int token_tiles;
   int share_w;     // a cluster shares weight boxes (else activation boxes)
+  int lean;        // one arrival per CTA and stage (else one per warp)
   int row_base;    // the layer's first weight row
   int token_tile;  // activation rows a CTA
   int num_chunks;  // K / 64 (0: nothing copied)
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), 4 * cluster);
+      mbar_init(empty(s), p.lean ? cluster : 4 * cluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -135,7 +139,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(full(s), (i / p.stages) & 1);
       acc ^= *reinterpret_cast<const volatile uint32_t*>(aligned + s * stage_bytes + 4 * lane);
       __syncwarp();
-      if (lane == 0) {
+      if (p.lean) {
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the whole warpgroup is done with the stage
+        const uint32_t warp = (threadIdx.x - 128) / 32;
+        if (lane == 0 && warp < cluster) mbar_arrive_in(empty(s), warp);
+      } else if (lane == 0) {
         if (cluster == 1) mbar_arrive(empty(s));
         else
           for (uint32_t r = 0; r < cluster; ++r) mbar_arrive_in(empty(s), r);
@@ -151,10 +159,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // One launch per layer: weights [layers * n, k] (layer l's rows from l * n), x [num_tokens, k], bf16.
 // A projection's CTAs: n / 64 row tiles x num_tokens / token_tile token tiles, in clusters of `cluster`
 // row tiles sharing activation boxes (share_w: of `cluster` token tiles sharing weight boxes; 1, 2 or 4).
-// no_chunks: the same launches with nothing copied. Returns 0, or 1 with a message.
+// lean: one release arrival per CTA and stage. no_chunks: the same launches with nothing copied.
+// Returns 0, or 1 with a message.
 extern "C" int probe_copies(const void* weights, int layers, int n, int k, const void* x, int num_tokens,
-                            int token_tile, int cluster, int share_w, int stages, int no_chunks, uint32_t* sink,
-                            void* stream, char* error, int error_len) {
+                            int token_tile, int cluster, int share_w, int lean, int stages, int no_chunks,
+                            uint32_t* sink, void* stream, char* error, int error_len) {
   const int row_tiles = n / kRows, token_tiles = num_tokens / token_tile;
   const bool shares_x = cluster > 1 && !share_w;
   if (n % kRows || k % kChunk || num_tokens % token_tile || token_tile % 8 || token_tile > 256 ||
@@ -189,7 +198,7 @@ extern "C" int probe_copies(const void* weights, int layers, int n, int k, const
   config.attrs = attribute;
   config.numAttrs = 1;
   for (int layer = 0; layer < layers; ++layer) {
-    const Params p{row_tiles, token_tiles, share_w, layer * n, token_tile, no_chunks ? 0 : k / kChunk, stages};
+    const Params p{row_tiles, token_tiles, share_w, lean, layer * n, token_tile, no_chunks ? 0 : k / kChunk, stages};
     err = cudaLaunchKernelEx(&config, copy_kernel, w_map, x_map, p, sink);
     if (err != cudaSuccess) {
       snprintf(error, error_len, "launch: %s", cudaGetErrorString(err));

@@ -14,6 +14,7 @@ is what bounds them, and whether multicast could cut it:
   released by a consumer warpgroup that only waits for it;
 - `x shared by N`: clusters of N row tiles, each CTA copying 1 / N of every activation box into all N;
 - `W shared by N`: clusters of N token tiles sharing the weight boxes the same way;
+- `..., lean`: the same, each stage released with one arrival per CTA (the .cu says how);
 - `launches`: the same grids and clusters copying nothing;
 - `GEMM`: hopper_gemm.linear on the same shapes, as the engine launches it (PDL where it is on).
 Every figure is us a projection: a CUDA graph of --layers launches, each layer's weights its own
@@ -45,7 +46,8 @@ MAX_STAGES = 8
 def load_library() -> ctypes.CDLL:
     lib = ctypes.CDLL(cuda_build.built_library(SOURCE, "multicast_copy_probe", "multicast copy probe"))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.probe_copies.argtypes = [ptr, i32, i32, i32, ptr, i32, i32, i32, i32, i32, i32, ptr, ptr, ctypes.c_char_p, i32]
+    lib.probe_copies.argtypes = [ptr, i32, i32, i32, ptr, i32, i32, i32, i32, i32, i32, i32, ptr, ptr,
+                                 ctypes.c_char_p, i32]
     lib.probe_copies.restype = i32
     return lib
 
@@ -75,9 +77,9 @@ def main() -> None:
         x = torch.randn(args.rows, k, dtype=torch.bfloat16, device="cuda")
         out = torch.empty(args.rows, n, dtype=torch.bfloat16, device="cuda")
 
-        def copies(cluster: int, share_w: bool, no_chunks: bool) -> None:
+        def copies(cluster: int, share_w: bool, lean: bool, no_chunks: bool) -> None:
             rc = lib.probe_copies(weights.data_ptr(), args.layers, n, k, x.data_ptr(), args.rows, tile, cluster,
-                                  int(share_w), stages, int(no_chunks), sink.data_ptr(),
+                                  int(share_w), int(lean), stages, int(no_chunks), sink.data_ptr(),
                                   torch.cuda.current_stream().cuda_stream, error, len(error))
             if rc:
                 raise RuntimeError(error.value.decode())
@@ -86,22 +88,24 @@ def main() -> None:
         l2_mib = (row_tiles * token_tiles * (64 + tile) * k * 2) / 2**20
         print(f"{name} [{n} x {k}]: {row_tiles} row tiles x {token_tiles} token tiles of {tile} = {ctas} CTAs, "
               f"{stages} stages; {l2_mib:.0f} MiB to the SMs ({(64 + tile) * k * 2 >> 10} KiB a CTA)", flush=True)
-        cases = [("copies", 1, False)]
+        cases = [("copies", 1, False, False)]
         for cluster in (2, 4):
-            if tile % (8 * cluster) == 0 and row_tiles % cluster == 0:
-                cases.append((f"x shared by {cluster}", cluster, False))
-            if token_tiles % cluster == 0:
-                cases.append((f"W shared by {cluster}", cluster, True))
-        for label, cluster, share_w in cases:
-            full = graph_time_us(lambda: copies(cluster, share_w, False), calls=1) / args.layers
-            empty = graph_time_us(lambda: copies(cluster, share_w, True), calls=1) / args.layers
-            print(f"  {label:16} {full:6.2f} us  (launches alone {empty:5.2f}; the copies {full - empty:5.2f})",
+            for lean in (False, True):
+                how = ", lean" if lean else ""
+                if tile % (8 * cluster) == 0 and row_tiles % cluster == 0:
+                    cases.append((f"x shared by {cluster}{how}", cluster, False, lean))
+                if token_tiles % cluster == 0:
+                    cases.append((f"W shared by {cluster}{how}", cluster, True, lean))
+        for label, cluster, share_w, lean in cases:
+            full = graph_time_us(lambda: copies(cluster, share_w, lean, False), calls=1) / args.layers
+            empty = graph_time_us(lambda: copies(cluster, share_w, lean, True), calls=1) / args.layers
+            print(f"  {label:22} {full:6.2f} us  (launches alone {empty:5.2f}; the copies {full - empty:5.2f})",
                   flush=True)
             if cluster == 1:
                 totals[name] = full
         layer_weights = [weights[i * n:(i + 1) * n] for i in range(args.layers)]
         gemm = graph_time_us(lambda: [hopper_gemm.linear(x, w, out) for w in layer_weights]) / args.layers
-        print(f"  {'GEMM':16} {gemm:6.2f} us", flush=True)
+        print(f"  {'GEMM':22} {gemm:6.2f} us", flush=True)
         totals[name + " GEMM"] = gemm
     print(f"a layer: copies {sum(totals[p] for p in PROJECTIONS):.1f} us, "
           f"GEMMs {sum(totals[p + ' GEMM'] for p in PROJECTIONS):.1f} us")
