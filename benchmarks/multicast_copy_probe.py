@@ -85,9 +85,9 @@ def main() -> None:
                 raise RuntimeError(error.value.decode())
 
         ctas = row_tiles * token_tiles
-        l2_mib = (row_tiles * token_tiles * (64 + tile) * k * 2) / 2**20
+        intake_mib = ctas * (64 + tile) * k * 2 / 2**20  # what all the CTAs copy into their shared memory
         print(f"{name} [{n} x {k}]: {row_tiles} row tiles x {token_tiles} token tiles of {tile} = {ctas} CTAs, "
-              f"{stages} stages; {l2_mib:.0f} MiB to the SMs ({(64 + tile) * k * 2 >> 10} KiB a CTA)", flush=True)
+              f"{stages} stages; {intake_mib:.0f} MiB to the SMs ({(64 + tile) * k * 2 >> 10} KiB a CTA)", flush=True)
         cases = [("copies", 1, False, False)]
         for cluster in (2, 4):
             for lean in (False, True):

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) helpers shared by the hand-written kernels: shared-memory addresses, mbarriers,
-// wgmma's fences and descriptors, and (on the host) the driver's tensor-map encoder and the GEMM's maps. Included by
-// worker/hopper_gemm.cu and worker/attention/hopper_prefill.cu (cuda_build.py fingerprints it with
-// each source).
+// wgmma's fences and descriptors, and (on the host) the driver's tensor-map encoder and the GEMM's
+// 2-D maps. Included by worker/hopper_gemm.cu, worker/attention/hopper_prefill.cu and
+// benchmarks/multicast_copy_probe.cu (cuda_build.py fingerprints it with each source).
 #pragma once
 
 #include <cuda.h>
