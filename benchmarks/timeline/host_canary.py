@@ -32,6 +32,7 @@ import mmap
 import os
 import statistics
 import time
+from collections import Counter
 
 
 def work() -> int:
@@ -118,6 +119,13 @@ def main() -> None:
     if not trace_dir:
         raise SystemExit("set TIMELINE_DIR (the directory the traced workload writes its marks to)")
     marks: list[str] = []
+    stalls: Counter[str] = Counter()
+
+    def stall(kind: str, start: float, end: float) -> None:
+        # (the same clock as the engine's marks: CLOCK_MONOTONIC, in the trace format sitecustomize.py writes)
+        marks.extend((f"{start:.6f} {os.getpid()} 0 > canary.{kind}\n", f"{end:.6f} {os.getpid()} 0 < canary.{kind}\n"))
+        stalls[kind] += 1
+
     units: list[tuple[float, float]] = []  # (start, duration) of every work unit
     alloc_durations: list[float] = []
     mem_passes: list[tuple[float, float]] = []
@@ -143,22 +151,21 @@ def main() -> None:
                 memory.read()
                 mem_passes.append((t3, time.perf_counter() - t3))
                 next_mem = t3 + args.mem_every_ms / 1e3
-            if t1 - t0 > args.work_ms / 1e3:  # (the same clock as the engine's marks: CLOCK_MONOTONIC)
-                marks += [f"{t0:.6f} {os.getpid()} 0 > canary.work\n", f"{t1:.6f} {os.getpid()} 0 < canary.work\n"]
+            if t1 - t0 > args.work_ms / 1e3:
+                stall("work", t0, t1)
             if t2 - t1 > args.wake_ms / 1e3:
-                marks += [f"{t1:.6f} {os.getpid()} 0 > canary.wake\n", f"{t2:.6f} {os.getpid()} 0 < canary.wake\n"]
+                stall("wake", t1, t2)
             if t3 - t2 > args.alloc_ms / 1e3:
-                marks += [f"{t2:.6f} {os.getpid()} 0 > canary.alloc\n", f"{t3:.6f} {os.getpid()} 0 < canary.alloc\n"]
+                stall("alloc", t2, t3)
     except KeyboardInterrupt:  # (SIGINT ends it early, with its marks written as at the end)
         pass
     for start, end in slow_windows(units, args.window_ms / 1e3, args.slow_x):
-        marks += [f"{start:.6f} {os.getpid()} 0 > canary.slow\n", f"{end:.6f} {os.getpid()} 0 < canary.slow\n"]
+        stall("slow", start, end)
     for start, end in over_median(mem_passes, args.slow_x):
-        marks += [f"{start:.6f} {os.getpid()} 0 > canary.mem\n", f"{end:.6f} {os.getpid()} 0 < canary.mem\n"]
+        stall("mem", start, end)
     with open(os.path.join(trace_dir, f"trace-{os.getpid()}.txt"), "w") as f:
         f.writelines(marks)
     steal_after, vm_after = cpu_steal_ticks(), vmstat()
-    stalls = {kind: sum(f"> canary.{kind}" in m for m in marks) for kind in ("work", "wake", "slow", "alloc", "mem")}
     line = (f"canary: {len(units)} units, median {statistics.median(d for _, d in units) * 1e6:.1f} us; "
             f"{stalls['work']} over {args.work_ms:g} ms, {stalls['wake']} wake-ups over {args.wake_ms:g} ms, "
             f"{stalls['slow']} slow {args.window_ms:g} ms windows (median over {args.slow_x:g}x); "
