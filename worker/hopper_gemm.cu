@@ -70,13 +70,6 @@ constexpr int kChunk = 64;         // k per chunk: one 128-byte swizzle row of b
 constexpr int kWChunkBytes = kRows * 128;
 constexpr int kOutRowBytes = 144;  // a staged output row (64 bf16 + 16 bytes of padding: no bank conflicts)
 
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
 // D [64 x N] (+)= A [64 x 16] * B [N x 16]^T, both operands from shared memory (K-major, 128-byte
 // swizzle), for the token tiles N = 16, 32, ..., 256: one specialization per N, each naming its N / 2
 // accumulator registers (an asm statement's operand list cannot be built by a template). They differ
